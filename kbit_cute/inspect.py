@@ -1,0 +1,175 @@
+"""Compile-only kernel report: ``python -m kbit_cute.inspect --arch sm_90a``.
+
+Compiles every registered kernel variant without a GPU, disassembles its
+cubin with ``nvdisasm`` and prints, per variant: registers, static shared
+memory, stack frame, spill instructions (LDL/STL) and counts of the SASS
+classes that tell whether a kernel is on its fast path (LDG.E.128, LDGSTS,
+LDSM, HMMA, SHFL, STG.E.128). Exits 1 when a variant spills or lacks a class
+it declares in its ``KernelSpec.expect``; CI runs it for sm_90a and sm_80.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+
+from tabulate import tabulate
+
+COUNTED = ("LDG.E.128", "LDGSTS", "LDSM", "HMMA", "SHFL", "STG.E.128")
+SPILL_OPS = ("LDL", "STL")
+# .nv.info attribute codes (CUDA ELF), each (symbol, value) per function.
+_EIATTR_FRAME_SIZE, _EIATTR_MAX_STACK_SIZE, _EIATTR_REGCOUNT = 0x11, 0x23, 0x2F
+
+
+def find_nvdisasm() -> str:
+    """nvdisasm from the nvidia-cuda-nvdisasm wheel, else from PATH / CUDA_HOME."""
+    try:
+        import nvidia.cu13 as cu13  # the wheel's namespace package
+
+        for root in cu13.__path__:
+            cand = os.path.join(root, "bin", "nvdisasm")
+            if os.path.exists(cand):
+                return cand
+    except ImportError:
+        pass
+    cand = shutil.which("nvdisasm") or os.path.join(
+        os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvdisasm"
+    )
+    if not os.path.exists(cand):
+        raise FileNotFoundError("nvdisasm not found: pip install nvidia-cuda-nvdisasm")
+    return cand
+
+
+def _elf_sections(data: bytes) -> dict[str, tuple[int, int, int]]:
+    """name -> (offset, size, sh_info) of every section of a 64-bit ELF."""
+    shoff = struct.unpack_from("<Q", data, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    str_off = heads[shstrndx][4]
+
+    def name(off: int) -> str:
+        return data[str_off + off : data.index(b"\0", str_off + off)].decode()
+
+    return {name(h[0]): (h[4], h[5], h[7]) for h in heads}
+
+
+def cubin_resources(data: bytes) -> dict[str, int]:
+    """Registers, static shared memory and stack bytes of the (single) kernel in a cubin."""
+    sections = _elf_sections(data)
+    regs = 0
+    smem = sum(size for n, (_, size, _) in sections.items() if n.startswith(".nv.shared."))
+    stack = 0
+    for n, (off, size, _) in sections.items():
+        if n != ".nv.info":
+            continue
+        pos = off
+        while pos + 4 <= off + size:  # records: format byte, attribute byte, payload
+            fmt, attr = data[pos], data[pos + 1]
+            if fmt == 0x04:  # sized value: u16 length + payload
+                length = struct.unpack_from("<H", data, pos + 2)[0]
+                value = struct.unpack_from("<I", data, pos + 8)[0] if length >= 8 else 0
+                if attr in (_EIATTR_FRAME_SIZE, _EIATTR_MAX_STACK_SIZE):
+                    stack = max(stack, value)
+                elif attr == _EIATTR_REGCOUNT:
+                    regs = max(regs, value)
+                pos += 4 + length
+            else:
+                pos += 4 if fmt in (0x02, 0x03) else 2
+    return {"regs": regs, "smem": smem, "stack": stack}
+
+
+def sass_counts(sass: str) -> dict[str, int]:
+    ops = re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
+    base = [op.split(".")[0] for op in ops]
+    counts = {c: sum(1 for b in base if b == c) for c in ("LDGSTS", "LDSM", "HMMA", "SHFL")}
+    wide = [b for b, op in zip(base, ops, strict=True) if ".128" in op]
+    counts["LDG.E.128"] = wide.count("LDG")
+    counts["STG.E.128"] = wide.count("STG")
+    counts["spill_ops"] = sum(1 for b in base if b in SPILL_OPS)
+    return counts
+
+
+def embedded_cubin(obj: bytes) -> bytes:
+    """The cubin inside the host object written by ``export_to_c`` (the second ELF in it)."""
+    start = obj.find(b"\x7fELF", 1)
+    if start < 0:
+        raise RuntimeError("no embedded cubin in the exported object")
+    elf = obj[start:]
+    phoff, shoff = struct.unpack_from("<QQ", elf, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", elf, 0x36)
+    end = max(shoff + shentsize * shnum, phoff + phentsize * phnum)
+    for off, size, _ in _elf_sections(elf).values():
+        end = max(end, off + size)
+    return elf[:end]
+
+
+def _worker_init(arch: str) -> None:
+    # The DSL reads the target once, when cutlass is first imported in this process.
+    os.environ["CUTE_DSL_ARCH"] = arch
+
+
+def inspect_variant(name: str) -> dict:
+    """Compile one registered variant in this (worker) process and report on its SASS."""
+    import cutlass.cute as cute
+
+    from .kernels import all_specs
+
+    spec = next(s for s in all_specs() if s.name == name)
+    jit_fn, args = spec.build()
+    compiled = cute.compile(jit_fn, *args)
+    with tempfile.TemporaryDirectory() as tmp:
+        compiled.export_to_c(tmp, name)
+        with open(os.path.join(tmp, f"{name}.o"), "rb") as f:
+            data = embedded_cubin(f.read())
+        cubin = os.path.join(tmp, f"{name}.cubin")
+        with open(cubin, "wb") as f:
+            f.write(data)
+        sass = subprocess.run(
+            [find_nvdisasm(), "-c", cubin], capture_output=True, check=True, text=True
+        ).stdout
+    row = {"variant": name, **cubin_resources(data), **sass_counts(sass)}
+    missing = [c for c in spec.expect if row.get(c, 0) == 0]
+    row["missing"] = ",".join(missing)
+    row["ok"] = not missing and row["spill_ops"] == 0 and row["stack"] == 0
+    return row
+
+
+def run_report(arch: str, jobs: int, only: str | None = None) -> list[dict]:
+    from .kernels import all_specs
+
+    names = [s.name for s in all_specs() if only is None or re.search(only, s.name)]
+    with ProcessPoolExecutor(
+        max_workers=jobs, mp_context=get_context("spawn"),
+        initializer=_worker_init, initargs=(arch,),
+    ) as pool:  # fmt: skip
+        return list(pool.map(inspect_variant, names))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", default="sm_90a", help="target, e.g. sm_90a or sm_80")
+    p.add_argument("--jobs", type=int, default=max(1, min(8, os.cpu_count() or 1)))
+    p.add_argument("--only", help="regex: only variants whose name matches")
+    args = p.parse_args(argv)
+    rows = run_report(args.arch, args.jobs, args.only)
+    cols = ["variant", "regs", "smem", "stack", "spill_ops", *COUNTED, "missing", "ok"]
+    print(f"kbit_cute kernels, compile-only, {args.arch}")
+    print(tabulate([[r[c] for c in cols] for r in rows], headers=cols, tablefmt="github"))
+    bad = [r["variant"] for r in rows if not r["ok"]]
+    if bad:
+        print(f"FAILED: {len(bad)} variant(s) spill or lack a declared instruction class: {bad}")
+        return 1
+    print(f"all {len(rows)} variants: no spills, every declared instruction class present")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

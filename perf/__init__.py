@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m perf.<name>``; numbers are taken on the GPU only."""

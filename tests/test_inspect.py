@@ -1,0 +1,33 @@
+"""The compile-only kernel gate: every registered variant compiles for sm_90a and sm_80
+without a GPU, with no spills and every instruction class it declares."""
+
+import os
+
+import pytest
+
+from kbit_cute import inspect as kinspect
+
+SASS = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0020*/               @P0 SHFL.IDX PT, R9, R2, R9, 0x1f ;
+        /*0030*/                   STL [R1], R4 ;
+        /*0040*/                   LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64] ;
+        /*0050*/                   HMMA.16816.F32 R8, R12, R16, R8 ;
+        /*0060*/                   STG.E.U16 desc[UR4][R4.64], R7 ;
+"""
+
+
+def test_sass_counts_parses_classes():
+    c = kinspect.sass_counts(SASS)
+    assert c["LDG.E.128"] == 1 and c["SHFL"] == 1 and c["LDGSTS"] == 1 and c["HMMA"] == 1
+    assert c["LDSM"] == 0 and c["STG.E.128"] == 0 and c["spill_ops"] == 1
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_every_variant_passes_the_gate(arch):
+    rows = kinspect.run_report(arch, jobs=max(1, min(4, os.cpu_count() or 1)))
+    assert rows, "no kernel variants registered"
+    bad = [(r["variant"], r["missing"], r["spill_ops"], r["stack"]) for r in rows if not r["ok"]]
+    assert not bad, bad
+    assert all(r["regs"] > 0 for r in rows)
