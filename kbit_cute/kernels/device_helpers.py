@@ -29,6 +29,7 @@ def decode_e4m4(code: Int32) -> Float32:
     f = 2^(e-11) (1 + m/16) for every code. For e == 0 the format is subnormal,
     2^-10 m/16, which equals 2f - 2^-10 there; both steps are exact.
     """
+    code = code & 0xFF  # a uint8 load may arrive sign-extended
     f = bits_to_f32((code << 19) + (_E4M4_FP32_EXP_SHIFT << 23))
     subnormal = Float32(code < 16)
     return f + subnormal * (f - Float32(2.0**-10))
