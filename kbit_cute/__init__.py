@@ -8,7 +8,7 @@ host definition of the format, ``kbit_cute.layouts`` its CuTe layouts,
 from __future__ import annotations
 
 from .format import BLOCK, TILE_K, TILE_N, KbitWeight, codebook, quantize
-from .ops import dequantize
+from .ops import dequantize, gemm
 
-__all__ = ["BLOCK", "TILE_K", "TILE_N", "KbitWeight", "codebook", "dequantize", "quantize"]
+__all__ = ["BLOCK", "TILE_K", "TILE_N", "KbitWeight", "codebook", "dequantize", "gemm", "quantize"]
 __version__ = "0.1.0"

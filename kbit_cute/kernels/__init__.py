@@ -5,6 +5,6 @@ from __future__ import annotations
 
 def all_specs():
     """Every compiled variant the library ships (the inspect report and precompile walk this)."""
-    from . import dequantize
+    from . import dequantize, gemv
 
-    return [*dequantize.specs()]
+    return [*dequantize.specs(), *gemv.specs()]

@@ -55,3 +55,54 @@ def plane_index(planes, j, k: cutlass.Constexpr[int]) -> Int32:
     for i in cutlass.range_constexpr(1, k):
         idx = idx | (((Uint32(planes[i]) >> j) & Uint32(1)) << i)
     return Int32(idx)
+
+
+# ----------------------------------------------------------------------------- SWAR indices
+#
+# Extracting one index costs k shifts/ands/ors per element. Instead the k plane words of a
+# block are merged pairwise, SWAR style: merging two words of w-bit fields gives two words of
+# 2w-bit fields with one shift and one and-or (LOP3) each. After log2 stages every element's
+# index sits in one field of one word. A lookup is then a shift and a shuffle: shfl reads
+# only bits [4:0] of the lane operand, and lanes hold codebook[lane % 2^k], so bits of the
+# next field above the index do not matter.
+
+_FIELD_MASK = {1: 0x55555555, 2: 0x33333333, 4: 0x0F0F0F0F}
+
+
+def field_bits(k: int) -> int:
+    """Width of the index fields ``planes_to_fields`` produces (k rounded up to 2, 4 or 8)."""
+    return 2 if k <= 2 else 4 if k <= 4 else 8
+
+
+def planes_to_fields(planes: list, k: int) -> list[tuple]:
+    """k plane words of a block -> [(word, elements)]: ``elements[f]`` is the element whose
+    index occupies field f (bits f*W .. f*W+k-1, W = ``field_bits(k)``) of ``word``.
+
+    Works on traced Uint32 values (in a kernel) and on Python ints (host tests) alike;
+    the element bookkeeping is plain Python, fixed at trace time.
+    """
+    padded = list(planes[:k]) + [None] * (field_bits(k) - k)  # zero planes up to W
+    return _merge_fields(padded)
+
+
+def _merge_fields(planes: list) -> list[tuple]:
+    if len(planes) == 1:
+        return [(planes[0], list(range(32)))]
+    half = len(planes) // 2
+    low, high = _merge_fields(planes[:half]), _merge_fields(planes[half:])
+    out = []
+    for (x, elems), (y, _) in zip(low, high, strict=True):
+        lo, hi = _merge_pair(x, y, half)
+        out += [(lo, elems[0::2]), (hi, elems[1::2])]
+    return out
+
+
+def _merge_pair(x, y, w: int):
+    """Two words of w-bit fields -> (even fields, odd fields) as 2w-bit fields, x low."""
+    mask = _FIELD_MASK[w]
+    if x is None:
+        return None, None
+    if y is None:
+        return x & mask, (x >> w) & mask
+    inv = ~mask & 0xFFFFFFFF
+    return (x & mask) | ((y << w) & inv), ((x >> w) & mask) | (y & inv)

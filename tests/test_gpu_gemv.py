@@ -1,0 +1,113 @@
+"""GEMV (M <= 4) on the GPU against the float32 reference of the dequantized weight."""
+
+import pytest
+import torch
+
+import kbit_cute
+from kbit_cute import ops
+
+pytestmark = pytest.mark.gpu
+KS = (2, 3, 4, 5)
+SHAPES = [
+    (2048, 512),
+    (512, 2048),
+    (2048, 5120),
+    (5120, 2048),
+    (4096, 2048),
+    (2048, 4096),
+    (1056, 1000),
+]
+TOL = {torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def rel_err(got, ref):
+    return ((got.float() - ref).norm() / ref.norm()).item()
+
+
+def reference(A, qw, bias=None):
+    r = A.float() @ kbit_cute.dequantize(qw, torch.float32).T
+    return r if bias is None else r + bias.float()
+
+
+@pytest.fixture(scope="module")
+def weights():
+    """One quantized weight per (shape, k), fresh random data each session."""
+    g = torch.Generator(device="cuda").manual_seed(
+        int.from_bytes(__import__("os").urandom(4), "little")
+    )
+    return {
+        (K, N, k): kbit_cute.quantize(torch.randn(N, K, device="cuda", generator=g) * 0.05, k)
+        for K, N in SHAPES
+        for k in KS
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 2, 3, 4])
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("K,N", SHAPES)
+def test_gemv_matches_reference(K, N, k, M, dtype, weights):
+    qw = weights[(K, N, k)]
+    A = torch.randn(M, K, device="cuda", dtype=dtype)
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+    got = kbit_cute.gemm(A, qw, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert not torch.isnan(got).any(), "an output element was not written"
+    assert rel_err(got, reference(A, qw)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gemv_leading_dims_and_bias(dtype, weights):
+    K, N, k = 2048, 4096, 4
+    qw = weights[(K, N, k)]
+    A = torch.randn(2, 2, K, device="cuda", dtype=dtype)
+    bias = torch.randn(N, device="cuda", dtype=dtype)
+    got = kbit_cute.gemm(A, qw, bias=bias)
+    assert got.shape == (2, 2, N) and got.dtype == dtype
+    assert rel_err(got.view(4, N), reference(A.view(4, K), qw, bias)) < TOL[dtype]
+
+
+def test_gemv_alternating_shapes_match_fresh_calls(weights):
+    """Split-K workspace and counters stay right across calls of different shapes and M."""
+    cases = [
+        (K, N, k, M) for (K, N), k, M in zip(SHAPES, [2, 5, 3, 4, 4, 2, 5], [1, 4, 2, 3, 1, 4, 2])
+    ]
+    inputs = {c: torch.randn(c[3], c[0], device="cuda", dtype=torch.float16) for c in cases}
+    fresh = {c: kbit_cute.gemm(inputs[c], weights[c[:3]]).clone() for c in cases}
+    for _ in range(3):
+        for c in cases[::-1] + cases:
+            assert torch.equal(kbit_cute.gemm(inputs[c], weights[c[:3]]), fresh[c]), c
+
+
+@pytest.mark.parametrize("splits", [1, 3, 16])
+def test_gemv_split_k_is_deterministic(splits, weights):
+    K, N, k = 5120, 2048, 4
+    qw = weights[(K, N, k)]
+    A = torch.randn(4, K, device="cuda", dtype=torch.bfloat16)
+    first = ops._gemv(A, qw, None, torch.empty(4, N, device="cuda", dtype=A.dtype), 4, splits)
+    assert rel_err(first, reference(A, qw)) < TOL[torch.bfloat16]
+    for _ in range(5):
+        again = ops._gemv(A, qw, None, torch.empty_like(first), 4, splits)
+        assert torch.equal(again, first)
+
+
+def test_gemm_large_m_falls_back_correctly(weights):
+    qw = weights[(1056, 1000, 3)]
+    A = torch.randn(37, 1056, device="cuda", dtype=torch.float16)
+    assert rel_err(kbit_cute.gemm(A, qw), reference(A, qw)) < TOL[torch.float16]
+
+
+def test_gemv_under_cuda_graph(weights):
+    qw = weights[(2048, 5120, 4)]
+    A = torch.randn(1, 2048, device="cuda", dtype=torch.float16)
+    out = torch.empty(1, 5120, device="cuda", dtype=torch.float16)
+    kbit_cute.gemm(A, qw, out=out)  # warm: compile, workspace
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kbit_cute.gemm(A, qw, out=out)
+    for _ in range(3):
+        A.copy_(torch.randn_like(A))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, reference(A, qw)) < TOL[torch.float16]
