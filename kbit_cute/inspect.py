@@ -111,11 +111,6 @@ def embedded_cubin(obj: bytes) -> bytes:
     return elf[:end]
 
 
-def _worker_init(arch: str) -> None:
-    # The DSL reads the target once, when cutlass is first imported in this process.
-    os.environ["CUTE_DSL_ARCH"] = arch
-
-
 def inspect_variant(name: str) -> dict:
     """Compile one registered variant in this (worker) process and report on its SASS."""
     import cutlass.cute as cute
@@ -135,7 +130,9 @@ def inspect_variant(name: str) -> dict:
         sass = subprocess.run(
             [find_nvdisasm(), "-c", cubin], capture_output=True, check=True, text=True
         ).stdout
+    arch = re.search(r"\.target\s+(sm_\w+)", sass)
     row = {"variant": name, **cubin_resources(data), **sass_counts(sass)}
+    row["arch"] = arch.group(1) if arch else "?"
     missing = [c for c in spec.expect if row.get(c, 0) == 0]
     row["missing"] = ",".join(missing)
     row["ok"] = not missing and row["spill_ops"] == 0 and row["stack"] == 0
@@ -146,11 +143,19 @@ def run_report(arch: str, jobs: int, only: str | None = None) -> list[dict]:
     from .kernels import all_specs
 
     names = [s.name for s in all_specs() if only is None or re.search(only, s.name)]
-    with ProcessPoolExecutor(
-        max_workers=jobs, mp_context=get_context("spawn"),
-        initializer=_worker_init, initargs=(arch,),
-    ) as pool:  # fmt: skip
-        return list(pool.map(inspect_variant, names))
+    # The DSL reads the target when cutlass is first imported, which in a worker happens
+    # while it unpickles its task: the target must be in the environment it starts with.
+    saved = os.environ.get("CUTE_DSL_ARCH")
+    os.environ["CUTE_DSL_ARCH"] = arch
+    try:
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
+            rows = list(pool.map(inspect_variant, names))
+    finally:
+        if saved is None:
+            del os.environ["CUTE_DSL_ARCH"]
+        else:
+            os.environ["CUTE_DSL_ARCH"] = saved
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help="regex: only variants whose name matches")
     args = p.parse_args(argv)
     rows = run_report(args.arch, args.jobs, args.only)
-    cols = ["variant", "regs", "smem", "stack", "spill_ops", *COUNTED, "missing", "ok"]
+    cols = ["variant", "arch", "regs", "smem", "stack", "spill_ops", *COUNTED, "missing", "ok"]
     print(f"kbit_cute kernels, compile-only, {args.arch}")
     print(tabulate([[r[c] for c in cols] for r in rows], headers=cols, tablefmt="github"))
     bad = [r["variant"] for r in rows if not r["ok"]]

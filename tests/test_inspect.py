@@ -31,3 +31,4 @@ def test_every_variant_passes_the_gate(arch):
     bad = [(r["variant"], r["missing"], r["spill_ops"], r["stack"]) for r in rows if not r["ok"]]
     assert not bad, bad
     assert all(r["regs"] > 0 for r in rows)
+    assert {r["arch"] for r in rows} == {arch}  # the workers compiled for the asked target

@@ -38,7 +38,7 @@ from .device_helpers import (
     planes_to_fields,
 )
 
-COLS = 2  # output columns per thread
+COLS = 2  # output columns per thread (its 2 x COLS absmax bytes make one 32-bit word)
 WARPS = 4
 COLS_PER_GROUP = 32 * COLS  # columns of one CTA (a half repack tile)
 A_VEC = 8  # A elements per vector load (16 bytes)
@@ -125,56 +125,70 @@ class GemvKernel:
 
         cb_lane = load_codebook_lane(cute.make_tensor(pCodebook, cute.make_layout(1 << k)), k)
         words_per_thread = COLS * BLOCKS_PER_TILE_K * k
-        W = field_bits(k)
         acc = cute.make_rmem_tensor((COLS, m_rows), Float32)
         acc.fill(0.0)
-        rW = cute.make_rmem_tensor((words_per_thread,), Int32)
-        rS = cute.make_rmem_tensor((COLS * BLOCKS_PER_TILE_K,), cutlass.Uint8)
-        rA = cute.make_rmem_tensor((m_rows, A_VEC), self.dtype)
-        blk = cute.make_rmem_tensor((COLS, m_rows), Float32)
-
-        for kt in cutlass.range(kt_begin, kt_end, unroll=1):
-            # Words of columns n0..n0+COLS-1 for both K blocks of this tile: contiguous.
-            w_off = cute.assume(cute.crd2idx((n0, kt * BLOCKS_PER_TILE_K, 0), mW.layout), divby=4)
-            gW = cute.make_tensor(mW.iterator + w_off, cute.make_layout(words_per_thread))
-            cute.autovec_copy(gW, rW)
-            s_off = cute.crd2idx((n0, kt * BLOCKS_PER_TILE_K), mS.layout)
-            gS = cute.make_tensor(mS.iterator + s_off, cute.make_layout(COLS * BLOCKS_PER_TILE_K))
-            cute.autovec_copy(gS, rS)
-
-            for kb in cutlass.range_constexpr(BLOCKS_PER_TILE_K):
-                k0 = kt * TILE_K + kb * BLOCK
-                # Index fields of each column's block: a trace-time table says where each
-                # element's index sits.
-                fields = []
-                for c in cutlass.range_constexpr(COLS):
-                    base = (c * BLOCKS_PER_TILE_K + kb) * k
-                    planes = [Uint32(rW[base + i]) for i in range(k)]
-                    fields.append(planes_to_fields(planes, k))
-                blk.fill(0.0)
-                for g in cutlass.range_constexpr(BLOCK // A_VEC):
-                    if k0 < K:
-                        for m in cutlass.range_constexpr(m_rows):
-                            row = cutlass.min(m, M - 1)  # rows past M: recomputed, not stored
-                            gA = cute.make_tensor(
-                                mA.iterator + row * K + k0 + g * A_VEC, cute.make_layout(A_VEC)
-                            )
-                            cute.autovec_copy(gA, rA[m, None])
-                    else:
-                        rA.fill(0.0)  # K padding: weights are zero, A must not be NaN
-                    for e in cutlass.range_constexpr(A_VEC):
-                        j = g * A_VEC + e
-                        for c in cutlass.range_constexpr(COLS):
-                            word, off = _field_of(fields[c], j, W)
-                            wv = codebook_lookup(cb_lane, Int32(word >> off))
-                            for m in cutlass.range_constexpr(m_rows):
-                                blk[c, m] = blk[c, m] + wv * Float32(rA[m, e])
-                for c in cutlass.range_constexpr(COLS):
-                    amax = decode_e4m4(Int32(rS[c * BLOCKS_PER_TILE_K + kb]))
-                    for m in cutlass.range_constexpr(m_rows):
-                        acc[c, m] = acc[c, m] + blk[c, m] * amax
+        # Two register buffers in ping-pong: the next K tile's words are in flight while
+        # this one is dequantized, so a warp always has a load outstanding (no copies).
+        rW = [cute.make_rmem_tensor((words_per_thread,), Int32) for _ in range(2)]
+        # The thread's COLS x 2 absmax bytes are one aligned 32-bit word ([col][kb] order).
+        rS = [cute.make_rmem_tensor((1,), Int32) for _ in range(2)]
+        if kt_begin < kt_end:
+            self.load_tile(mW, mS, n0, kt_begin, rW[0], rS[0])
+        for kt in cutlass.range(kt_begin, kt_end, 2, unroll=1):
+            for b in cutlass.range_constexpr(2):
+                if kt + b < kt_end:
+                    if kt + b + 1 < kt_end:
+                        self.load_tile(mW, mS, n0, kt + b + 1, rW[1 - b], rS[1 - b])
+                    self.dot_tile(mA, rW[b], rS[b], cb_lane, kt + b, acc)
 
         self.epilogue(acc, pScale, pBias, mOut, mWs, pCounters, splits, has_bias, group, split)
+
+    @cute.jit
+    def dot_tile(self, mA, rW, rS, cb_lane, kt, acc):
+        """acc[c, m] += the K tile's 64 weights of column c . A[m, tile], block by block."""
+        k, m_rows, W = self.k, self.m, field_bits(self.k)
+        M, K = mA.shape
+        rA = cute.make_rmem_tensor((A_VEC, m_rows), self.dtype)  # a row's 8 values contiguous
+        blk = cute.make_rmem_tensor((COLS, m_rows), Float32)
+        for kb in cutlass.range_constexpr(BLOCKS_PER_TILE_K):
+            k0 = kt * TILE_K + kb * BLOCK
+            # Index fields of each column's block; a trace-time table says where each
+            # element's index sits.
+            fields = []
+            for c in cutlass.range_constexpr(COLS):
+                base = (c * BLOCKS_PER_TILE_K + kb) * k
+                fields.append(planes_to_fields([Uint32(rW[base + i]) for i in range(k)], k))
+            blk.fill(0.0)
+            for g in cutlass.range_constexpr(BLOCK // A_VEC):
+                if k0 < K:
+                    for m in cutlass.range_constexpr(m_rows):
+                        row = cutlass.min(m, M - 1)  # rows past M: recomputed, not stored
+                        a_off = cute.assume(row * K + k0 + g * A_VEC, divby=A_VEC)
+                        gA = cute.make_tensor(mA.iterator + a_off, cute.make_layout(A_VEC))
+                        cute.autovec_copy(gA, rA[None, m])
+                else:
+                    rA.fill(0.0)  # K padding: weights are zero, A must not be NaN
+                for e in cutlass.range_constexpr(A_VEC):
+                    j = g * A_VEC + e
+                    for c in cutlass.range_constexpr(COLS):
+                        word, off = _field_of(fields[c], j, W)
+                        wv = codebook_lookup(cb_lane, Int32(word >> off))
+                        for m in cutlass.range_constexpr(m_rows):
+                            blk[c, m] = blk[c, m] + wv * Float32(rA[e, m])
+            for c in cutlass.range_constexpr(COLS):
+                amax = decode_e4m4(rS[0] >> (8 * (c * BLOCKS_PER_TILE_K + kb)))
+                for m in cutlass.range_constexpr(m_rows):
+                    acc[c, m] = acc[c, m] + blk[c, m] * amax
+
+    @cute.jit
+    def load_tile(self, mW, mS, n0, kt, rW, rS):
+        """Words and absmax bytes of columns n0..n0+COLS-1, both K blocks of tile kt: each a
+        contiguous run in the [col][kb][bit] order (16-byte loads for the words)."""
+        w_off = cute.assume(cute.crd2idx((n0, kt * BLOCKS_PER_TILE_K, 0), mW.layout), divby=4)
+        cute.autovec_copy(cute.make_tensor(mW.iterator + w_off, cute.make_layout(rW.shape)), rW)
+        s_off = cute.assume(cute.crd2idx((n0, kt * BLOCKS_PER_TILE_K), mS.layout), divby=4)
+        s_word = cute.recast_ptr(mS.iterator + s_off, dtype=Int32)
+        cute.autovec_copy(cute.make_tensor(s_word, cute.make_layout(1)), rS)
 
     @cute.jit
     def epilogue(self, acc, pScale, pBias, mOut, mWs, pCounters, splits, has_bias, group, split):

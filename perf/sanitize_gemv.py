@@ -1,0 +1,26 @@
+"""One GEMV call per k (split-K on, so workspace and counters are exercised), for
+``compute-sanitizer --tool memcheck|racecheck python -m perf.sanitize_gemv``."""
+
+from __future__ import annotations
+
+import torch
+
+import kbit_cute
+from kbit_cute import ops
+
+
+def main() -> None:
+    K, N = 1056, 1000  # odd shape: N and K padded inside the tiles
+    for k in (2, 3, 4, 5):
+        qw = kbit_cute.quantize(torch.randn(N, K, device="cuda"), k)
+        for M, dtype in ((1, torch.float16), (3, torch.bfloat16)):
+            A = torch.randn(M, K, device="cuda", dtype=dtype)
+            out = torch.empty(M, N, device="cuda", dtype=dtype)
+            ops._gemv(A, qw, None, out, M, splits=2)
+            kbit_cute.dequantize(qw, dtype)
+    torch.cuda.synchronize()
+    print("sanitize_gemv: done")
+
+
+if __name__ == "__main__":
+    main()
