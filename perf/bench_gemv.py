@@ -115,7 +115,7 @@ def bench_shape(K: int, N: int, ks, Ms, ctas_options, bw: float, rows: list, rec
                 t = graph_time_us(lambda i: lambda: ops._gemv(A, qws[i], None, out, M, splits), nq)
                 floor_us = qw.nbytes / (bw * 1e3)
                 gbs = qw.nbytes / (t * 1e3)
-                rec = dict(  # noqa: E501K=K, N=N, k=k, M=M, ctas_per_sm=ctas, splits=splits, us=t, gbs=gbs,
+                rec = dict(K=K, N=N, k=k, M=M, ctas_per_sm=ctas, splits=splits, us=t, gbs=gbs,
                            pct_bw=100 * gbs / bw, floor_us=floor_us, cublas_us=t_cublas, tinygemm=tiny,
                            speedup=t_cublas / t)  # fmt: skip
                 records.append(rec)
