@@ -27,6 +27,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
+from cutlass.memory import SmemAllocator
 
 from ..format import BLOCK, BLOCKS_PER_TILE_K, TILE_K, TILE_N
 from ..layouts import weight_absmax_layout, weight_words_layout
@@ -197,7 +198,7 @@ class GemvKernel:
         tidx, _, _ = cute.arch.thread_idx()
         warp, lane = tidx // 32, tidx % 32
         M, N = mOut.shape
-        smem = cutlass.utils.SmemAllocator()
+        smem = SmemAllocator()
         sRed = smem.allocate_tensor(
             Float32, cute.make_layout((COLS_PER_GROUP, m_rows, WARPS)), byte_alignment=16
         )
