@@ -56,10 +56,18 @@ def ptr(t: torch.Tensor, align: int = 16):
     return make_ptr(TORCH_TO_CUTLASS[t.dtype], t.data_ptr(), AddressSpace.gmem, assumed_align=align)
 
 
-def current_stream(device: torch.device):
-    from cuda.bindings import driver
+_driver_streams: dict[int, Any] = {}
 
-    return driver.CUstream(torch.cuda.current_stream(device).cuda_stream)
+
+def driver_stream(stream: torch.cuda.Stream):
+    """The cuda-python handle of a torch stream, made once per stream (not per call)."""
+    handle = stream.cuda_stream
+    cu = _driver_streams.get(handle)
+    if cu is None:
+        from cuda.bindings import driver
+
+        cu = _driver_streams[handle] = driver.CUstream(handle)
+    return cu
 
 
 _compiled: dict[str, Any] = {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .compile import compile_spec, current_stream, ptr
+from .compile import compile_spec, driver_stream, ptr
 from .format import (
     KbitWeight,
     decode_e4m4,
@@ -39,13 +39,20 @@ _OUT_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"
 MIN_CAPABILITY = (8, 0)
 
 
+_checked_devices: set[int] = set()
+
+
 def check_cuda_device(device: torch.device) -> None:
-    """Kernels need sm_80+; say so clearly instead of failing inside the driver."""
+    """Kernels need sm_80+; say so clearly instead of failing inside the driver (checked
+    once per device: not on the hot path)."""
+    if device.index in _checked_devices:
+        return
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < MIN_CAPABILITY:
         raise RuntimeError(
             f"kbit_cute kernels need compute capability >= 8.0; this GPU is {major}.{minor}"
         )
+    _checked_devices.add(device.index)
 
 
 def dequantize(qw: KbitWeight, dtype: torch.dtype | None = None, out: torch.Tensor | None = None):
@@ -71,7 +78,7 @@ def dequantize(qw: KbitWeight, dtype: torch.dtype | None = None, out: torch.Tens
     fn = compile_spec(dequantize_spec(qw.k, _OUT_NAMES[dtype]))
     fn(
         ptr(qw.packed), ptr(qw.absmax), ptr(qw.codebook), ptr(qw.scale, 4), ptr(out),
-        qw.N, qw.K, current_stream(qw.packed.device),
+        qw.N, qw.K, driver_stream(torch.cuda.current_stream(qw.packed.device)),
     )  # fmt: skip
     return out
 
@@ -191,6 +198,6 @@ def _gemv(A, qw, bias, out, M: int, splits: int | None = None):
     fn(
         ptr(A), ptr(qw.packed), ptr(qw.absmax), ptr(qw.codebook), ptr(qw.scale, 4),
         ptr(bias if bias is not None else out, 2), ptr(out, 2), ptr(ws), ptr(counters, 4),
-        M, qw.N, qw.K, splits, int(bias is not None), current_stream(device),
+        M, qw.N, qw.K, splits, int(bias is not None), driver_stream(stream),
     )  # fmt: skip
     return out

@@ -211,25 +211,18 @@ class GemvKernel:
         scale = cute.make_tensor(pScale, cute.make_layout(1))[0]
         mBias = cute.make_tensor(pBias, cute.make_layout(N))
         outputs = COLS_PER_GROUP * m_rows
-        if splits == 1:
-            for i in cutlass.range_constexpr((outputs + self.threads - 1) // self.threads):
-                o = tidx + i * self.threads
-                col, m = o % COLS_PER_GROUP, o // COLS_PER_GROUP
+        for i in cutlass.range_constexpr((outputs + self.threads - 1) // self.threads):
+            o = tidx + i * self.threads
+            col, m = o % COLS_PER_GROUP, o // COLS_PER_GROUP
+            if o < outputs:
                 v = sRed[col, m, 0]
                 for w in cutlass.range_constexpr(1, WARPS):
                     v = v + sRed[col, m, w]
-                self.store(
-                    v, scale, mBias, mOut, has_bias, m, group * COLS_PER_GROUP + col, o < outputs
-                )
-        else:
-            for i in cutlass.range_constexpr((outputs + self.threads - 1) // self.threads):
-                o = tidx + i * self.threads
-                col, m = o % COLS_PER_GROUP, o // COLS_PER_GROUP
-                if o < outputs:
-                    v = sRed[col, m, 0]
-                    for w in cutlass.range_constexpr(1, WARPS):
-                        v = v + sRed[col, m, w]
+                if splits == 1:
+                    self.store(v, scale, mBias, mOut, has_bias, m, group * COLS_PER_GROUP + col)
+                else:
                     mWs[group * COLS_PER_GROUP + col, m, split] = v
+        if splits > 1:
             # Publish the partials, then count this CTA in; the last one reduces.
             cute.arch.fence_acq_rel_gpu()
             cute.arch.sync_threads()
@@ -255,12 +248,13 @@ class GemvKernel:
                                 Float32,
                                 cop="cg",
                             )
-                        self.store(v, scale, mBias, mOut, has_bias, m, gcol, o < outputs)
+                        self.store(v, scale, mBias, mOut, has_bias, m, gcol)
 
     @cute.jit
-    def store(self, v, scale, mBias, mOut, has_bias, m, n, valid):
+    def store(self, v, scale, mBias, mOut, has_bias, m, n):
+        """out[m, n] = v * scale (+ bias[n]) in the output dtype, inside the true (M, N)."""
         M, N = mOut.shape
-        if valid and m < M and n < N:
+        if m < M and n < N:
             r = v * scale
             if has_bias != 0:
                 r = r + Float32(mBias[n])
