@@ -130,6 +130,11 @@ def inspect_variant(name: str) -> dict:
         sass = subprocess.run(
             [find_nvdisasm(), "-c", cubin], capture_output=True, check=True, text=True
         ).stdout
+    sass_dir = os.environ.get("KBIT_CUTE_SASS_DIR")
+    if sass_dir:  # keep the disassembly for reading (``--sass DIR``)
+        os.makedirs(sass_dir, exist_ok=True)
+        with open(os.path.join(sass_dir, f"{name}.sass"), "w") as f:
+            f.write(sass)
     arch = re.search(r"\.target\s+(sm_\w+)", sass)
     row = {"variant": name, **cubin_resources(data), **sass_counts(sass)}
     row["arch"] = arch.group(1) if arch else "?"
@@ -163,7 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", default="sm_90a", help="target, e.g. sm_90a or sm_80")
     p.add_argument("--jobs", type=int, default=max(1, min(8, os.cpu_count() or 1)))
     p.add_argument("--only", help="regex: only variants whose name matches")
+    p.add_argument("--sass", metavar="DIR", help="also write each variant's SASS to DIR")
     args = p.parse_args(argv)
+    if args.sass:
+        os.environ["KBIT_CUTE_SASS_DIR"] = os.path.abspath(args.sass)  # workers inherit it
     rows = run_report(args.arch, args.jobs, args.only)
     cols = ["variant", "arch", "regs", "smem", "stack", "spill_ops", *COUNTED, "missing", "ok"]
     print(f"kbit_cute kernels, compile-only, {args.arch}")

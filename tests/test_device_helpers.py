@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kbit_cute import format as fmt
+from kbit_cute.kernels import device_helpers as dh
 from kbit_cute.kernels.device_helpers import field_bits, planes_to_fields
 
 
@@ -21,3 +22,55 @@ def test_fields_give_every_index_to_a_shuffle(k, gen):
                 assert lane % (1 << k) == idx[b, j].item(), (k, b, j)
                 seen.append(j)
         assert sorted(seen) == list(range(32))
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    """Host model of prmt.b32 (default mode): byte i of the result is byte sel[i] of b:a."""
+    src = (b << 32) | a
+    return sum(((src >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+
+
+@pytest.mark.parametrize("k", (2, 3, 4, 5))
+def test_gemv_lookups_give_the_mma_pairs(k, gen):
+    """The GEMV's trace-time plan, emulated on host ints: each of a thread's 8 register
+    pairs per column holds two distinct K positions, the 16 positions are covered once, the
+    second column's fields mirror the first's, and the lookup the kernel uses for this k
+    (pair shuffle, byte tables or single shuffles) returns those positions' indices."""
+    from kbit_cute.kernels.gemv import THREAD_K, GemvKernel, _pairs_of
+
+    kern = GemvKernel(k, 1, None)
+    W = kern.field_width
+    idx = torch.randint(0, 1 << k, (1, 32), generator=gen, dtype=torch.uint8)
+    planes = [int(w) & 0xFFFFFFFF for w in fmt.pack_bitplanes(idx, k).tolist()]
+    idx = idx[0].tolist()
+    fields = planes_to_fields(planes, k, W)
+    pairs = _pairs_of(fields, W)
+    positions = sorted(e for _, (_, ea), (_, eb) in pairs for e in (ea, eb))
+    assert positions == list(range(THREAD_K))
+    codes = list(range(1, (1 << k) + 1))  # distinct 16-bit "values" per index
+    for word, (fa, ea), (fb, eb) in pairs:
+        for half, (fa2, fb2) in enumerate([(fa, fb), (fa + 16 // W, fb + 16 // W)]):
+            ja, jb = ea + 16 * half, eb + 16 * half
+            if kern.lookup == "pair_shuffle":
+                lane = (word >> (fa2 * W)) & 31
+                got = (codes[lane & 3], codes[(lane >> 2) & 3])
+            elif kern.lookup == "byte_tables":
+                tables = [0, 0, 0, 0]  # lo0, lo1, hi0, hi1 bytes of codes 0-3, 4-7
+                for i, c in enumerate(codes):
+                    tables[i // 4] |= (c & 0xFF) << (8 * (i % 4))
+                    tables[2 + i // 4] |= (c >> 8) << (8 * (i % 4))
+                sel = word if fa2 < 4 else word >> 16
+                lo = _prmt(tables[0], tables[1], sel & 0xFFFF)
+                hi = _prmt(tables[2], tables[3], sel & 0xFFFF)
+                pair = _prmt(lo, hi, dh.byte_pair_selector(fa2 % 4, fb2 % 4))
+                got = (pair & 0xFFFF, pair >> 16)
+            else:
+                got = tuple(codes[(word >> (f * W)) & 31 & ((1 << k) - 1)] for f in (fa2, fb2))
+            assert got == (codes[idx[ja]], codes[idx[jb]]), (k, ja, jb)
+
+
+def test_pair_selector_joins_halves():
+    a, b = 0x2222_1111, 0x4444_3333
+    assert _prmt(a, b, dh.pair_selector(0, 0)) == 0x3333_1111
+    assert _prmt(a, b, dh.pair_selector(1, 1)) == 0x4444_2222
+    assert _prmt(a, b, dh.pair_selector(0, 1)) == 0x4444_1111

@@ -11,6 +11,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T
 
 # 2^(127 - 11): moves an E4M4 code placed in fp32's exponent/mantissa bits to its value.
 _E4M4_FP32_EXP_SHIFT = 116
@@ -69,19 +70,21 @@ def plane_index(planes, j, k: cutlass.Constexpr[int]) -> Int32:
 _FIELD_MASK = {1: 0x55555555, 2: 0x33333333, 4: 0x0F0F0F0F}
 
 
-def field_bits(k: int) -> int:
-    """Width of the index fields ``planes_to_fields`` produces (k rounded up to 2, 4 or 8)."""
-    return 2 if k <= 2 else 4 if k <= 4 else 8
+def field_bits(k: int, min_width: int = 1) -> int:
+    """Width of the index fields ``planes_to_fields`` produces: k rounded up to 2, 4 or 8,
+    and to at least ``min_width`` (byte-select lookups want 4-bit fields even for k = 2)."""
+    return max(min_width, 2 if k <= 2 else 4 if k <= 4 else 8)
 
 
-def planes_to_fields(planes: list, k: int) -> list[tuple]:
+def planes_to_fields(planes: list, k: int, min_width: int = 1) -> list[tuple]:
     """k plane words of a block -> [(word, elements)]: ``elements[f]`` is the element whose
-    index occupies field f (bits f*W .. f*W+k-1, W = ``field_bits(k)``) of ``word``.
+    index occupies field f (bits f*W .. f*W+k-1, W = ``field_bits(k, min_width)``) of
+    ``word``; the bits of a field above the index are zero.
 
     Works on traced Uint32 values (in a kernel) and on Python ints (host tests) alike;
     the element bookkeeping is plain Python, fixed at trace time.
     """
-    padded = list(planes[:k]) + [None] * (field_bits(k) - k)  # zero planes up to W
+    padded = list(planes[:k]) + [None] * (field_bits(k, min_width) - k)  # zero planes up to W
     return _merge_fields(padded)
 
 
@@ -106,3 +109,121 @@ def _merge_pair(x, y, w: int):
         return x & mask, (x >> w) & mask
     inv = ~mask & 0xFFFFFFFF
     return (x & mask) | ((y << w) & inv), ((x >> w) & mask) | (y & inv)
+
+
+# ----------------------------------------------------------------------------- 16-bit pairs
+#
+# The tensor-core kernels dequantize into pairs of fp16/bf16 values packed in one 32-bit
+# register (the operand format of mma.sync). These helpers work on such registers (Uint32).
+
+_HALF2_ASM = {cutlass.Float16: "f16x2", cutlass.BFloat16: "bf16x2"}
+_NEG_ZERO_X2 = 0x80008000  # -0.0 in both halves: x * s + (-0) == x * s exactly
+
+
+def _asm_u32(text: str, *operands) -> Uint32:
+    constraints = "=r," + ",".join("r" for _ in operands)
+    ir_ops = [Uint32(x).ir_value() for x in operands]
+    return Uint32(
+        llvm.inline_asm(
+            T.i32(), ir_ops, text, constraints,
+            has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )  # fmt: skip
+
+
+def prmt(a: Uint32, b: Uint32, selector) -> Uint32:
+    """Byte permute: result byte i is byte (selector nibble i) of the 8-byte value b:a.
+    A Python int selector becomes an immediate (no register, no move)."""
+    if isinstance(selector, int):
+        return _asm_u32(f"prmt.b32 $0, $1, $2, {selector:#x};", a, b)
+    return _asm_u32("prmt.b32 $0, $1, $2, $3;", a, b, selector)
+
+
+@cute.jit
+def mul_x2(x: Uint32, s: Uint32, dtype: cutlass.Constexpr) -> Uint32:
+    """Elementwise product of two fp16x2 / bf16x2 registers (an fma with -0: one instruction
+    on sm_80 for both types)."""
+    return _asm_u32(f"fma.rn.{_HALF2_ASM[dtype]} $0, $1, $2, $3;", x, s, Uint32(_NEG_ZERO_X2))
+
+
+@cute.jit
+def pack_x2(lo: Float32, hi: Float32, dtype: cutlass.Constexpr) -> Uint32:
+    """Two fp32 values rounded to one fp16x2 / bf16x2 register, ``lo`` in the low half."""
+    return Uint32(
+        llvm.inline_asm(
+            T.i32(), [Float32(hi).ir_value(), Float32(lo).ir_value()],
+            f"cvt.rn.{_HALF2_ASM[dtype]}.f32 $0, $1, $2;", "=r,f,f",
+            has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )  # fmt: skip
+
+
+@cute.jit
+def codebook_x2_lane(mCodebook: cute.Tensor, k: cutlass.Constexpr[int], dtype: cutlass.Constexpr):
+    """Each lane holds entry lane % 2^k in both halves, for ``codebook_lookup_x2``."""
+    v = Float32(mCodebook[cute.arch.lane_idx() % (1 << k)])
+    return pack_x2(v, v, dtype)
+
+
+@cute.jit
+def codebook_pair_lane(mCodebook: cute.Tensor, dtype: cutlass.Constexpr):
+    """k = 2: lane L holds the pair (entry L & 3, entry (L >> 2) & 3), so one shuffle by a
+    4-bit field holding two adjacent 2-bit indices returns both weights."""
+    lane = cute.arch.lane_idx()
+    return pack_x2(Float32(mCodebook[lane % 4]), Float32(mCodebook[(lane // 4) % 4]), dtype)
+
+
+@cute.jit
+def codebook_lookup_x2(cb_x2_lane: Uint32, index: Uint32) -> Uint32:
+    """The entry of ``index`` (bits [4:0]; bits above are ignored) in both halves, by one
+    shuffle. Every lane of the warp must call it."""
+    return Uint32(cute.arch.shuffle_sync(Int32(cb_x2_lane), Int32(index)))
+
+
+def codebook_x2_pairs(mCodebook: cute.Tensor, k: int, dtype) -> list:
+    """For k <= 3: the 2^k entries as 16-bit values, two per register (entries 2i, 2i+1)."""
+    return [
+        pack_x2(Float32(mCodebook[i]), Float32(mCodebook[i + 1]), dtype)
+        for i in range(0, 1 << k, 2)
+    ]
+
+
+def scaled_byte_tables(pairs: list, scale_x2: Uint32, dtype):
+    """Codebook pairs times a block's scale, split into a low-byte and a high-byte table
+    (entries 0-3 and 4-7 each) for ``byte_table_lookup``. Scaling the 4-8 entries of the
+    table once per block is cheaper than scaling every looked-up pair."""
+    scaled = [mul_x2(p, scale_x2, dtype) for p in pairs] + [Uint32(0)] * (4 - len(pairs))
+    lo0 = prmt(scaled[0], scaled[1], 0x6420)
+    hi0 = prmt(scaled[0], scaled[1], 0x7531)
+    if len(pairs) <= 2:  # k = 2: entries 0-3 only; fields never reach the second table
+        return lo0, lo0, hi0, hi0
+    return lo0, prmt(scaled[2], scaled[3], 0x6420), hi0, prmt(scaled[2], scaled[3], 0x7531)
+
+
+@cute.jit
+def byte_table_lookup(tables, fields: Uint32):
+    """Entries of the four 3-bit indices in the low four nibbles of ``fields`` (each nibble's
+    bit 3 zero): (low bytes, high bytes) of the four 16-bit values, one register each."""
+    lo0, lo1, hi0, hi1 = tables
+    return prmt(lo0, lo1, fields), prmt(hi0, hi1, fields)
+
+
+def pair_selector(i: int, j: int) -> int:
+    """``prmt`` selector that joins 16-bit value i of register a and value j of register b
+    (i, j in {0, 1}) into one register, a's value low."""
+    lo = (2 * i, 2 * i + 1)
+    hi = (4 + 2 * j, 4 + 2 * j + 1)
+    return lo[0] | lo[1] << 4 | hi[0] << 8 | hi[1] << 12
+
+
+def byte_pair_selector(i: int, j: int) -> int:
+    """``prmt`` selector that builds a 16-bit pair from byte tables: value i (low byte from
+    register a's byte i, high byte from b's byte i) low, value j high."""
+    return i | (4 + i) << 4 | j << 8 | (4 + j) << 12
+
+
+@cute.jit
+def e4m4_x2(code: Int32, dtype: cutlass.Constexpr) -> Uint32:
+    """E4M4 byte -> its value in both halves of an fp16x2 / bf16x2 register (exact)."""
+    v = decode_e4m4(code)
+    return pack_x2(v, v, dtype)

@@ -1,24 +1,28 @@
-"""GEMV for M = 1..4: out[M, N] = A[M, K] @ W^T, W in the tiled kbit format.
+"""GEMV for M = 1..4: out[M, N] = A[M, K] @ W^T, W in the tiled kbit format, on tensor cores.
 
-Decode is bound by streaming W, so the kernel reads the tiled words straight
-into registers (16-byte loads, no shared-memory tile, no barrier in the main
-loop) and spends as few instructions per weight as it can:
+Decode is bound by streaming W, and the issue rate, not the loads, is what limits a
+dequantizing kernel: at 3 TB/s each SM must retire ~22 (k=4) to ~41 (k=2) weights per
+clock with 128 thread-instructions. So the multiply-adds go to ``mma.sync`` m16n8k16 with
+the weights as operand A (16 output columns x 16 K) and the activations as operand B
+(16 K x 8 rows, rows past M unused): the fp32 accumulation is free, and M = 4 costs what
+M = 1 does. What is left per weight is the dequantization into fp16/bf16 pairs:
 
-* each thread owns ``COLS`` adjacent output columns; in the [col][kb][bit] tile
-  order their words are contiguous, so one thread loads 8*k*COLS bytes per
-  k-tile with LDG.128 and a warp reads a contiguous 256*k*COLS bytes;
-* bit planes become index fields SWAR-style (``planes_to_fields``: about
-  0.5 instructions per weight), and a lookup is one shift and one shuffle;
-* each 32-weight block is a dot product in codebook units, scaled once by its
-  E4M4 absmax; the per-tensor scale and the bias are applied in the epilogue;
-* A is read as 8-wide vectors (the same address across the warp: one
-  broadcast transaction) and reused for the thread's ``COLS`` columns.
+* a thread owns 16 consecutive K of one 32-weight block for 4 columns (two mma row
+  tiles); it loads the columns' bit-plane words straight into registers (no shared-memory
+  tile, no barrier in the main loop), picks its 16-bit half of each plane and merges the
+  planes into index fields SWAR-style (``planes_to_fields``);
+* indices become values by byte-select tables in registers (k <= 3, ``prmt``) or a
+  warp-shuffle table (k >= 4), two weights per 32-bit register, times the block's absmax
+  (one 2-wide multiply, the E4M4 decode read from a 256-entry shared-memory table);
+* mma.sync pairs K positions to registers in a fixed pattern; since the dot product does
+  not care about the order of K, each register takes the two weights that the SWAR fields
+  deliver side by side, and the activations are permuted to match (one ``prmt`` per pair,
+  shared by all columns of the thread).
 
-Grid: (column groups of 64, K splits). The 4 warps of a CTA take 4 slices of
-the CTA's K range and are summed through shared memory. With several splits
-each CTA writes fp32 partials to a workspace and the last CTA of a column
-group (an atomic counter it resets, so no memset is ever needed) sums them in
-split order: results are bit-identical run to run.
+Grid: (128-column groups = one repack tile, K splits). The 4 warps of a CTA take 32
+columns each. With several splits each CTA writes fp32 partials to a workspace and the
+last CTA of a column group (an atomic counter it resets, so no memset is ever needed)
+sums them in split order: results are bit-identical run to run.
 """
 
 from __future__ import annotations
@@ -32,17 +36,32 @@ from cutlass.memory import SmemAllocator
 from ..format import BLOCK, BLOCKS_PER_TILE_K, TILE_K, TILE_N
 from ..layouts import weight_absmax_layout, weight_words_layout
 from .device_helpers import (
-    codebook_lookup,
-    decode_e4m4,
+    byte_pair_selector,
+    byte_table_lookup,
+    codebook_lookup_x2,
+    codebook_pair_lane,
+    codebook_x2_lane,
+    codebook_x2_pairs,
+    e4m4_x2,
     field_bits,
-    load_codebook_lane,
+    mul_x2,
+    pair_selector,
     planes_to_fields,
+    prmt,
+    scaled_byte_tables,
 )
 
-COLS = 2  # output columns per thread (its 2 x COLS absmax bytes make one 32-bit word)
 WARPS = 4
-COLS_PER_GROUP = 32 * COLS  # columns of one CTA (a half repack tile)
-A_VEC = 8  # A elements per vector load (16 bytes)
+MMA_M, MMA_N, MMA_K = 16, 8, 16
+ROW_TILES = 2  # mma row tiles (16 columns each) per warp
+WARP_COLS = MMA_M * ROW_TILES
+COLS_PER_GROUP = WARP_COLS * WARPS  # one repack tile
+THREAD_K = BLOCK // 2  # a thread's K run per tile: half of one block
+E4M4_CODES = 256
+# Register buffers per warp: a warp has stages - 1 K tiles (256 k bytes each) in flight
+# while it works on one. Fewer bits per weight need more tiles in flight to cover the
+# DRAM latency; more bits need more registers per tile.
+STAGES = {2: 4, 3: 3, 4: 3, 5: 2}
 
 
 class GemvKernel:
@@ -50,8 +69,20 @@ class GemvKernel:
 
     threads = 32 * WARPS
 
-    def __init__(self, k: int, m: int, dtype: type[cutlass.Numeric]):
+    def __init__(self, k: int, m: int, dtype: type[cutlass.Numeric], stages: int | None = None):
         self.k, self.m, self.dtype = k, m, dtype
+        # K tiles in flight per warp, in registers (see STAGES).
+        self.stages = stages or STAGES[k]
+        # How indices become values. The integer ALU pipe runs at half the issue rate and
+        # is what these kernels saturate first, so each k takes the lookup with the fewest
+        # integer instructions per weight:
+        # k = 2: one shuffle per pair from a 16-entry table of pairs (two adjacent 2-bit
+        #        fields are its lane index);
+        # k = 3: byte-select tables, scaled per block, four lookups per two prmt;
+        # k >= 4: one shuffle per weight, two merged into a pair with one prmt.
+        self.lookup = {2: "pair_shuffle", 3: "byte_tables"}.get(k, "shuffle")
+        self.byte_tables = self.lookup == "byte_tables"
+        self.field_width = field_bits(k, 4 if self.byte_tables else 1)
 
     @staticmethod
     def can_implement(k: int, m: int, dtype) -> bool:
@@ -67,7 +98,7 @@ class GemvKernel:
         pScale: cute.Pointer,  # fp32 (1,) per-tensor scale
         pBias: cute.Pointer,  # (N,) dtype; read only if has_bias
         pOut: cute.Pointer,  # (M, N) row-major, dtype
-        pWorkspace: cute.Pointer,  # fp32 (splits, m, column groups * 64) when splits > 1
+        pWorkspace: cute.Pointer,  # fp32 (splits, m, column groups * 128) when splits > 1
         pCounters: cute.Pointer,  # int32 (column groups,), zero; left zero
         M: Int32,
         N: Int32,
@@ -111,117 +142,181 @@ class GemvKernel:
         splits: Int32,
         has_bias: Int32,
     ):
-        k, m_rows = self.k, self.m
+        k = self.k
         tidx, _, _ = cute.arch.thread_idx()
         group, split, _ = cute.arch.block_idx()
         warp, lane = tidx // 32, tidx % 32
         M, K = mA.shape
-        n0 = group * COLS_PER_GROUP + lane * COLS  # this thread's first column
+        # mma fragment coordinates: lane = 4 * g + t. The thread's mma rows are g and g + 8
+        # of each row tile; its K run in a tile is block kb = t / 2, half h = t % 2.
+        g, t = lane // 4, lane % 4
+        col0 = group * COLS_PER_GROUP + warp * WARP_COLS + g
+        kt_begin = split * k_tiles // splits
+        kt_end = (split + 1) * k_tiles // splits
 
-        # This warp's slice of the K tiles: split s, warp w -> slice s * WARPS + w.
-        slices = splits * WARPS
-        slice_id = split * WARPS + warp
-        kt_begin = slice_id * k_tiles // slices
-        kt_end = (slice_id + 1) * k_tiles // slices
+        smem = SmemAllocator()
+        sScale = smem.allocate_tensor(Uint32, cute.make_layout(E4M4_CODES), byte_alignment=16)
+        sFlag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
+        for i in cutlass.range_constexpr(E4M4_CODES // self.threads):
+            code = tidx + i * self.threads
+            sScale[code] = e4m4_x2(code, self.dtype)
 
-        cb_lane = load_codebook_lane(cute.make_tensor(pCodebook, cute.make_layout(1 << k)), k)
-        words_per_thread = COLS * BLOCKS_PER_TILE_K * k
-        acc = cute.make_rmem_tensor((COLS, m_rows), Float32)
-        acc.fill(0.0)
-        # Two register buffers in ping-pong: the next K tile's words are in flight while
-        # this one is dequantized, so a warp always has a load outstanding (no copies).
-        rW = [cute.make_rmem_tensor((words_per_thread,), Int32) for _ in range(2)]
-        # The thread's COLS x 2 absmax bytes are one aligned 32-bit word ([col][kb] order).
-        rS = [cute.make_rmem_tensor((1,), Int32) for _ in range(2)]
-        if kt_begin < kt_end:
-            self.load_tile(mW, mS, n0, kt_begin, rW[0], rS[0])
-        for kt in cutlass.range(kt_begin, kt_end, 2, unroll=1):
-            for b in cutlass.range_constexpr(2):
+        mCodebook = cute.make_tensor(pCodebook, cute.make_layout(1 << k))
+        if cutlass.const_expr(self.byte_tables):
+            codebook = codebook_x2_pairs(mCodebook, k, self.dtype)
+        elif cutlass.const_expr(self.lookup == "pair_shuffle"):
+            codebook = codebook_pair_lane(mCodebook, self.dtype)
+        else:
+            codebook = codebook_x2_lane(mCodebook, k, self.dtype)
+        half_select = Uint32(0x5410) + Uint32(t % 2) * Uint32(0x2222)  # 16-bit half h of a word
+
+        atom = cute.make_mma_atom(
+            cute.nvgpu.warp.MmaF16BF16Op(self.dtype, Float32, (MMA_M, MMA_N, MMA_K))
+        )
+        tiled_mma = cute.make_tiled_mma(atom)
+        acc = [
+            tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((MMA_M, MMA_N)))
+            for _ in range(ROW_TILES)
+        ]
+        for r in cutlass.range_constexpr(ROW_TILES):
+            acc[r].fill(0.0)
+        frag_a = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((MMA_M, MMA_K)))
+        frag_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((MMA_N, MMA_K)))
+        cute.arch.sync_threads()  # the scale table is ready
+
+        # A ring of register buffers: the next stages - 1 K tiles are in flight while one
+        # is dequantized, so a warp always has loads outstanding (no copies, no barrier).
+        S = self.stages
+        bufs = [self.make_buffers() for _ in range(S)]
+        row = cutlass.min(g, M - 1)  # rows past M: recomputed, never stored
+        for b in cutlass.range_constexpr(S - 1):
+            if kt_begin + b < kt_end:
+                self.load_tile(mA, mW, mS, col0, row, t, kt_begin + b, bufs[b])
+        for kt in cutlass.range(kt_begin, kt_end, S, unroll=1):
+            for b in cutlass.range_constexpr(S):
                 if kt + b < kt_end:
-                    if kt + b + 1 < kt_end:
-                        self.load_tile(mW, mS, n0, kt + b + 1, rW[1 - b], rS[1 - b])
-                    self.dot_tile(mA, rW[b], rS[b], cb_lane, kt + b, acc)
+                    if kt + b + S - 1 < kt_end:
+                        nxt = bufs[(b + S - 1) % S]  # the one finished last step
+                        self.load_tile(mA, mW, mS, col0, row, t, kt + b + S - 1, nxt)
+                    self.mma_tile(bufs[b], codebook, half_select, sScale, atom, frag_a, frag_b, acc)
 
-        self.epilogue(acc, pScale, pBias, mOut, mWs, pCounters, splits, has_bias, group, split)
+        self.epilogue(acc, pScale, pBias, mOut, mWs, pCounters, sFlag, splits, has_bias, col0, t)
+
+    def make_buffers(self):
+        """Registers of one K tile: the words of the thread's 4 columns' block, their absmax
+        codes, and the thread's 16 activations."""
+        return (
+            cute.make_rmem_tensor((self.k, 2 * ROW_TILES), Int32),
+            cute.make_rmem_tensor((2 * ROW_TILES,), cutlass.Uint8),
+            cute.make_rmem_tensor((THREAD_K,), self.dtype),
+        )
 
     @cute.jit
-    def dot_tile(self, mA, rW, rS, cb_lane, kt, acc):
-        """acc[c, m] += the K tile's 64 weights of column c . A[m, tile], block by block."""
-        k, m_rows, W = self.k, self.m, field_bits(self.k)
+    def load_tile(self, mA, mW, mS, col0, row, t, kt, buf):
+        rW, rS, rA = buf
+        k = self.k
+        kb = kt * BLOCKS_PER_TILE_K + t // 2
+        for j in cutlass.range_constexpr(2 * ROW_TILES):  # column col0 + 8 j
+            col = col0 + 8 * j
+            # The k plane words of (column, block) are contiguous ([col][kb][bit] order).
+            w_off = cute.assume(cute.crd2idx((col, kb, 0), mW.layout), divby=k if k % 2 == 0 else 1)
+            cute.autovec_copy(
+                cute.make_tensor(mW.iterator + w_off, cute.make_layout(k)), rW[None, j]
+            )
+            rS[j] = mS[col, kb]
         M, K = mA.shape
-        rA = cute.make_rmem_tensor((A_VEC, m_rows), self.dtype)  # a row's 8 values contiguous
-        blk = cute.make_rmem_tensor((COLS, m_rows), Float32)
-        for kb in cutlass.range_constexpr(BLOCKS_PER_TILE_K):
-            k0 = kt * TILE_K + kb * BLOCK
-            # Index fields of each column's block; a trace-time table says where each
-            # element's index sits.
-            fields = []
-            for c in cutlass.range_constexpr(COLS):
-                base = (c * BLOCKS_PER_TILE_K + kb) * k
-                fields.append(planes_to_fields([Uint32(rW[base + i]) for i in range(k)], k))
-            blk.fill(0.0)
-            for g in cutlass.range_constexpr(BLOCK // A_VEC):
-                if k0 < K:
-                    for m in cutlass.range_constexpr(m_rows):
-                        row = cutlass.min(m, M - 1)  # rows past M: recomputed, not stored
-                        a_off = cute.assume(row * K + k0 + g * A_VEC, divby=A_VEC)
-                        gA = cute.make_tensor(mA.iterator + a_off, cute.make_layout(A_VEC))
-                        cute.autovec_copy(gA, rA[None, m])
-                else:
-                    rA.fill(0.0)  # K padding: weights are zero, A must not be NaN
-                for e in cutlass.range_constexpr(A_VEC):
-                    j = g * A_VEC + e
-                    for c in cutlass.range_constexpr(COLS):
-                        word, off = _field_of(fields[c], j, W)
-                        wv = codebook_lookup(cb_lane, Int32(word >> off))
-                        for m in cutlass.range_constexpr(m_rows):
-                            blk[c, m] = blk[c, m] + wv * Float32(rA[e, m])
-            for c in cutlass.range_constexpr(COLS):
-                amax = decode_e4m4(rS[0] >> (8 * (c * BLOCKS_PER_TILE_K + kb)))
-                for m in cutlass.range_constexpr(m_rows):
-                    acc[c, m] = acc[c, m] + blk[c, m] * amax
+        k0 = kt * TILE_K + t * THREAD_K
+        if k0 < K:
+            a_off = cute.assume(row * K + k0, divby=THREAD_K)
+            cute.autovec_copy(cute.make_tensor(mA.iterator + a_off, cute.make_layout(THREAD_K)), rA)
+        else:
+            rA.fill(0.0)  # K padding: the weights there are zero, A must not be NaN
+
+    def mma_tile(self, buf, codebook, half_select, sScale, atom, frag_a, frag_b, acc):
+        """acc[r] += this K tile of the thread's columns (row tile r) times the activations."""
+        rW, rS, rA = buf
+        k, W = self.k, self.field_width
+        act = cute.recast_tensor(rA, Uint32)  # act[i] = activations (2i, 2i+1)
+        a_regs = cute.recast_tensor(frag_a, Uint32)
+        b_regs = cute.recast_tensor(frag_b, Uint32)
+        scales = [sScale[Int32(rS[j]) & 0xFF] for j in range(2 * ROW_TILES)]
+        b_pairs = None
+        for r in range(ROW_TILES):
+            # Plane b of both columns of this row tile, the thread's half of each:
+            # bits 0-15 = column col0 + 16 r, bits 16-31 = column col0 + 16 r + 8.
+            planes = [
+                prmt(Uint32(rW[b, 2 * r]), Uint32(rW[b, 2 * r + 1]), half_select) for b in range(k)
+            ]
+            fields = planes_to_fields(planes, k, W)
+            pairs = _pairs_of(fields, W)  # [(word, (field, element) x 2)] per mma register
+            if b_pairs is None:  # the activation pairs serve every row tile
+                b_pairs = [self.activation_pair(act, ea, eb) for _, (_, ea), (_, eb) in pairs]
+            w_pairs = [[None] * len(pairs) for _ in range(2)]  # [column of the tile][pair]
+            for half in range(2):  # column col0 + 16 r + 8 half
+                scale = scales[2 * r + half]
+                if self.byte_tables:  # the block's scale goes into its tables
+                    tables = scaled_byte_tables(codebook, scale, self.dtype)
+                for p, (word, (fa, _), (fb, _)) in enumerate(pairs):
+                    fa2, fb2 = fa + half * 32 // W // 2, fb + half * 32 // W // 2
+                    if self.byte_tables:
+                        w_pairs[half][p] = self.lookup_pair(tables, word, fa2, fb2)
+                    else:
+                        w_pairs[half][p] = mul_x2(
+                            self.lookup_pair(codebook, word, fa2, fb2), scale, self.dtype
+                        )
+            for s in range(THREAD_K // 4):  # 4 K positions per mma step
+                # Register order of an m16n8k16 A fragment: (row g, K pair 0), (row g + 8,
+                # pair 0), (row g, pair 1), (row g + 8, pair 1); B: pair 0, pair 1.
+                a_regs[0] = w_pairs[0][2 * s]
+                a_regs[1] = w_pairs[1][2 * s]
+                a_regs[2] = w_pairs[0][2 * s + 1]
+                a_regs[3] = w_pairs[1][2 * s + 1]
+                b_regs[0] = b_pairs[2 * s]
+                b_regs[1] = b_pairs[2 * s + 1]
+                cute.gemm(atom, acc[r], frag_a, frag_b, acc[r])
+
+    def lookup_pair(self, codebook, word, fa: int, fb: int):
+        """Codebook values of fields fa and fb of ``word`` as one 16-bit pair (fa low)."""
+        W = self.field_width
+        if self.byte_tables:
+            # Four 4-bit fields per lookup: nibbles 0-3 or (shifted down) 4-7.
+            quad = fa // 4
+            sel = word if quad == 0 else word >> 16
+            lo, hi = byte_table_lookup(codebook, sel)
+            return prmt(lo, hi, byte_pair_selector(fa % 4, fb % 4))
+        elif self.lookup == "pair_shuffle":
+            assert fb == fa + 1  # adjacent 2-bit fields: one 4-bit pair index
+            return codebook_lookup_x2(codebook, word >> (fa * W) if fa else word)
+        else:
+            # (Moving half of these shifts to the FMA pipe as mul.hi measured slower.)
+            va = codebook_lookup_x2(codebook, word >> (fa * W) if fa else word)
+            vb = codebook_lookup_x2(codebook, word >> (fb * W) if fb else word)
+            return prmt(va, vb, 0x5410)
+
+    def activation_pair(self, act, ea: int, eb: int):
+        """Activations of the thread's K positions ea and eb (0..15) as one register."""
+        if ea // 2 == eb // 2 and ea % 2 == 0 and eb == ea + 1:
+            return act[ea // 2]
+        return prmt(act[ea // 2], act[eb // 2], pair_selector(ea % 2, eb % 2))
 
     @cute.jit
-    def load_tile(self, mW, mS, n0, kt, rW, rS):
-        """Words and absmax bytes of columns n0..n0+COLS-1, both K blocks of tile kt: each a
-        contiguous run in the [col][kb][bit] order (16-byte loads for the words)."""
-        w_off = cute.assume(cute.crd2idx((n0, kt * BLOCKS_PER_TILE_K, 0), mW.layout), divby=4)
-        cute.autovec_copy(cute.make_tensor(mW.iterator + w_off, cute.make_layout(rW.shape)), rW)
-        s_off = cute.assume(cute.crd2idx((n0, kt * BLOCKS_PER_TILE_K), mS.layout), divby=4)
-        s_word = cute.recast_ptr(mS.iterator + s_off, dtype=Int32)
-        cute.autovec_copy(cute.make_tensor(s_word, cute.make_layout(1)), rS)
-
-    @cute.jit
-    def epilogue(self, acc, pScale, pBias, mOut, mWs, pCounters, splits, has_bias, group, split):
-        """Sum the CTA's 4 warps, then store (one split) or go through the workspace."""
+    def epilogue(self, acc, pScale, pBias, mOut, mWs, pCounters, sFlag, splits, has_bias, col0, t):
+        """C fragment: acc[r][i] is column col0 + 16 r + 8 (i // 2), row 2 t + i % 2."""
         m_rows = self.m
         tidx, _, _ = cute.arch.thread_idx()
-        warp, lane = tidx // 32, tidx % 32
+        group, split, _ = cute.arch.block_idx()
         M, N = mOut.shape
-        smem = SmemAllocator()
-        sRed = smem.allocate_tensor(
-            Float32, cute.make_layout((COLS_PER_GROUP, m_rows, WARPS)), byte_alignment=16
-        )
-        sFlag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
-        for c in cutlass.range_constexpr(COLS):
-            for m in cutlass.range_constexpr(m_rows):
-                sRed[lane * COLS + c, m, warp] = acc[c, m]
-        cute.arch.sync_threads()
-
         scale = cute.make_tensor(pScale, cute.make_layout(1))[0]
         mBias = cute.make_tensor(pBias, cute.make_layout(N))
-        outputs = COLS_PER_GROUP * m_rows
-        for i in cutlass.range_constexpr((outputs + self.threads - 1) // self.threads):
-            o = tidx + i * self.threads
-            col, m = o % COLS_PER_GROUP, o // COLS_PER_GROUP
-            if o < outputs:
-                v = sRed[col, m, 0]
-                for w in cutlass.range_constexpr(1, WARPS):
-                    v = v + sRed[col, m, w]
-                if splits == 1:
-                    self.store(v, scale, mBias, mOut, has_bias, m, group * COLS_PER_GROUP + col)
-                else:
-                    mWs[group * COLS_PER_GROUP + col, m, split] = v
+        for r in cutlass.range_constexpr(ROW_TILES):
+            for i in cutlass.range_constexpr(4):
+                col = col0 + 16 * r + 8 * (i // 2)
+                m = 2 * t + i % 2
+                if m < m_rows:
+                    if splits == 1:
+                        self.store(acc[r][i], scale, mBias, mOut, has_bias, m, col)
+                    else:
+                        mWs[col, m, split] = acc[r][i]
         if splits > 1:
             # Publish the partials, then count this CTA in; the last one reduces.
             cute.arch.fence_acq_rel_gpu()
@@ -236,6 +331,7 @@ class GemvKernel:
             cute.arch.sync_threads()
             if sFlag[0] != 0:
                 cute.arch.fence_acq_rel_gpu()
+                outputs = COLS_PER_GROUP * m_rows
                 for i in cutlass.range_constexpr((outputs + self.threads - 1) // self.threads):
                     o = tidx + i * self.threads
                     col, m = o % COLS_PER_GROUP, o // COLS_PER_GROUP
@@ -261,20 +357,33 @@ class GemvKernel:
             mOut[m, n] = self.dtype(r)
 
 
-def _field_of(fields, j: int, width: int):
-    """(word value, bit offset) of element j's index in ``planes_to_fields`` output."""
+def _pairs_of(fields, width: int):
+    """Pair the thread's K positions for the mma registers, as the SWAR fields lie.
+
+    ``fields`` covers 32 elements: 0-15 are the thread's 16 K positions of the row tile's
+    first column, 16-31 the same positions of its second column, and both columns' fields
+    sit at the same offsets, 32 / (2 W) fields apart. Each register takes two fields of
+    one word (so one shift-free lookup serves both with byte tables). Returns 8 pairs
+    [(word, (field a, K position a), (field b, K position b))] for the first column.
+    """
+    pairs = []
+    second = 32 // width // 2  # field offset of the second column
     for word, elems in fields:
-        if j in elems:
-            return word, elems.index(j) * width
-    raise AssertionError(f"element {j} has no field")
+        first = [(f, e) for f, e in enumerate(elems) if e < 16]
+        assert all(elems[f + second] == e + 16 for f, e in first), elems
+        for i in range(0, len(first), 2):
+            pairs.append((word, first[i], first[i + 1]))
+    assert len(pairs) == THREAD_K // 2, pairs
+    return pairs
 
 
 _DTYPES = {"f16": cutlass.Float16, "bf16": cutlass.BFloat16}
 M_BUCKETS = (1, 2, 4)
 
 
-def gemv_spec(k: int, m: int, dtype: str):
-    """The compiled variant of ``GemvKernel`` for bits ``k``, rows bucket ``m``, dtype name."""
+def gemv_spec(k: int, m: int, dtype: str, stages: int | None = None):
+    """The compiled variant of ``GemvKernel`` for bits ``k``, rows bucket ``m``, dtype name
+    (``stages``: override the register pipeline depth, for tuning)."""
     from ..compile import KernelSpec, fake_ptr, fake_stream
 
     def build():
@@ -285,9 +394,10 @@ def gemv_spec(k: int, m: int, dtype: str):
             fake_ptr(dt, 2), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int32, 4),
             Int32(1), Int32(1), Int32(32), Int32(1), Int32(0), fake_stream(),
         )  # fmt: skip
-        return GemvKernel(k, m, dt), args
+        return GemvKernel(k, m, dt, stages), args
 
-    return KernelSpec(f"gemv_k{k}_m{m}_{dtype}", build, expect=("LDG.E.128", "SHFL"))
+    suffix = f"_s{stages}" if stages else ""
+    return KernelSpec(f"gemv_k{k}_m{m}_{dtype}{suffix}", build, expect=("LDG.E.128", "HMMA"))
 
 
 def specs():

@@ -1,0 +1,153 @@
+"""Correctness and L2-cold timing of the GEMV kernel alone, through a plain ``cute.compile``
+(no TVM-FFI, no torch ops): ``python -m perf.gemv_kernel_check [--quick]``.
+
+For kernel work: it checks every k x dtype x M on a few shapes (odd ones included, with
+and without split-K) against the float32 reference, then times the large shapes for a
+list of split counts next to cuBLAS fp16 in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass.base_dsl.enums import AddressSpace
+from cutlass.cute.runtime import make_ptr
+from tabulate import tabulate
+
+from kbit_cute.format import dequantize as dequantize_reference
+from kbit_cute.format import quantize
+from kbit_cute.kernels.gemv import COLS_PER_GROUP, gemv_spec
+from perf.common import copies_for, graph_time_us, read_bandwidth_gbs
+
+_CUTE = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16,
+         torch.float32: cutlass.Float32, torch.int32: cutlass.Int32, torch.uint8: cutlass.Uint8}  # fmt: skip
+_NAMES = {torch.float16: "f16", torch.bfloat16: "bf16"}
+_compiled: dict = {}
+_ws = torch.empty(0)
+_counters = torch.empty(0)
+
+
+def _ptr(t, align=16):
+    return make_ptr(_CUTE[t.dtype], t.data_ptr(), AddressSpace.gmem, assumed_align=align)
+
+
+def run_gemv(A, qw, out, splits, stream=None, stages=None):
+    global _ws, _counters
+    from cuda.bindings import driver
+
+    stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)  # capture-safe
+    M = A.shape[0]
+    m = 1 if M == 1 else 2 if M == 2 else 4
+    key = (qw.k, m, A.dtype, stages)
+    if key not in _compiled:
+        fn, args = gemv_spec(qw.k, m, _NAMES[A.dtype], stages).build()
+        _compiled[key] = cute.compile(fn, *args)
+    groups = -(-qw.N // COLS_PER_GROUP)
+    need = splits * m * groups * COLS_PER_GROUP
+    if _ws.numel() < need or _ws.device.type != "cuda":
+        _ws = torch.empty(max(need, 1 << 22), device="cuda")
+        _counters = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
+    _compiled[key](
+        _ptr(A), _ptr(qw.packed), _ptr(qw.absmax), _ptr(qw.codebook), _ptr(qw.scale, 4),
+        _ptr(out, 2), _ptr(out, 2), _ptr(_ws), _ptr(_counters, 4),
+        M, qw.N, qw.K, splits, 0, stream,
+    )  # fmt: skip
+
+
+def check(stream) -> list:
+    rows, bad = [], 0
+    for K, N in [(2048, 512), (512, 2048), (1056, 1000), (4096, 2048), (160, 200)]:
+        for k in (2, 3, 4, 5):
+            qw = quantize(torch.randn(N, K, device="cuda") * 0.05, k)
+            W = dequantize_reference(qw, torch.float32)
+            for dtype in (torch.float16, torch.bfloat16):
+                for M in (1, 2, 3, 4):
+                    for splits in (1, 3):
+                        A = torch.randn(M, K, device="cuda", dtype=dtype)
+                        out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+                        run_gemv(A, qw, out, splits, stream)
+                        ref = A.float() @ W.T
+                        err = ((out.float() - ref).norm() / ref.norm()).item()
+                        nan = torch.isnan(out).any().item()
+                        tol = 1e-3 if dtype == torch.float16 else 8e-3
+                        ok = not nan and err < tol
+                        bad += not ok
+                        if not ok or (M == 4 and splits == 3 and K == 1056):
+                            rows.append(
+                                [f"{K}x{N}", k, _NAMES[dtype], M, splits, f"{err:.2e}", nan, ok]
+                            )
+    print(tabulate(rows, headers=["KxN", "k", "dtype", "M", "splits", "rel err", "nan", "ok"],
+                   tablefmt="github"))  # fmt: skip
+    print(f"correctness: {bad} failures")
+    return rows
+
+
+def bench(stream, split_options, ks, Ms, shapes, stage_options=(None,)) -> list:
+    bw = read_bandwidth_gbs()
+    rows, recs = [], []
+    for K, N in shapes:
+        W = torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
+        nc = copies_for(W.numel() * 2)
+        Ws = [W.clone() for _ in range(nc)]
+        t_cublas = {}
+        for M in Ms:
+            A = torch.randn(M, K, device="cuda", dtype=torch.float16)
+            o = torch.empty(M, N, device="cuda", dtype=torch.float16)
+            t_cublas[M] = graph_time_us(
+                lambda i, A=A, o=o: lambda: torch.matmul(A, Ws[i].T, out=o), nc
+            )
+
+        for k in ks:
+            qw = quantize(W, k)
+            nq = copies_for(qw.nbytes)
+            qws = [type(qw)(qw.packed.clone(), qw.absmax.clone(), qw.codebook, qw.scale, k, N, K,
+                            qw.dtype) for _ in range(nq)]  # fmt: skip
+            for M in Ms:
+                A = torch.randn(M, K, device="cuda", dtype=torch.float16)
+                out = torch.empty(M, N, device="cuda", dtype=torch.float16)
+                for splits, st in [(s, st) for s in split_options for st in stage_options]:
+                    t = graph_time_us(
+                        lambda i, A=A, out=out, s=splits, st=st: (
+                            lambda: run_gemv(A, qws[i], out, s, stream, st)
+                        ),
+                        nq,
+                    )
+                    gbs = qw.nbytes / (t * 1e3)
+                    recs.append(dict(K=K, N=N, k=k, M=M, splits=splits, stages=st, us=t, pct=100 * gbs / bw,
+                                     cublas=t_cublas[M]))  # fmt: skip
+                    rows.append([f"{K}x{N}", k, M, splits, st, f"{t:.1f}", f"{qw.nbytes / bw / 1e3:.1f}",
+                                 f"{100 * gbs / bw:.0f}%", f"{t_cublas[M]:.1f}", f"{t_cublas[M] / t:.2f}x"])  # fmt: skip
+
+    print(f"read bandwidth {bw:.0f} GB/s")
+    print(tabulate(rows, headers=["KxN", "k", "M", "splits", "stages", "us", "floor us", "% BW", "cuBLAS us",
+                                  "vs cuBLAS"], tablefmt="github"))  # fmt: skip
+    return recs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 4])
+    p.add_argument("--k", type=int, nargs="+", default=[2, 3, 4, 5])
+    p.add_argument("--m", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--shapes", default="8192x28672,4096x14336,14336x4096")
+    p.add_argument("--no-check", action="store_true")
+    p.add_argument("--stages", type=int, nargs="+", default=[None])
+    args = p.parse_args()
+    from cuda.bindings import driver
+
+    stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
+    if not args.no_check:
+        check(stream)
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
+    recs = bench(stream, args.splits, args.k, args.m, shapes, args.stages)
+    with open(os.path.join(os.environ.get("OUT", "."), "gemv_kernel_check.json"), "w") as f:
+        json.dump(recs, f)
+
+
+if __name__ == "__main__":
+    main()
