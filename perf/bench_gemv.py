@@ -19,6 +19,8 @@ from tabulate import tabulate
 import kbit_cute
 from kbit_cute import ops
 
+from .common import copies_for, graph_time_us, read_bandwidth_gbs
+
 LARGE = [(8192, 28672), (4096, 14336), (14336, 4096)]
 QWEN3_CODER_NEXT = [
     (2048, 5120),
@@ -29,49 +31,6 @@ QWEN3_CODER_NEXT = [
     (2048, 512),
     (512, 2048),
 ]
-L2_BYTES = 50 * 2**20
-CALLS_PER_GRAPH = 20
-
-
-def graph_time_us(make_call, n_copies: int, repeats: int = 9) -> float:
-    """Median per-call time of CALLS_PER_GRAPH calls (rotating over copies) in one graph."""
-    calls = [make_call(i % n_copies) for i in range(CALLS_PER_GRAPH)]
-    for c in calls[:n_copies]:
-        c()  # warm: compile, workspaces
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    times = []
-    for _ in range(repeats):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1000 / CALLS_PER_GRAPH)
-    return sorted(times)[len(times) // 2]
-
-
-def copies_for(nbytes: int) -> int:
-    return max(2, -(-4 * L2_BYTES // nbytes) + 1)
-
-
-def read_bandwidth_gbs() -> float:
-    x = torch.randn(2**28, device="cuda")  # 1 GiB
-    x.sum()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(7):
-        s.record()
-        x.sum()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    return x.numel() * 4 / (sorted(ts)[3] / 1000) / 1e9
 
 
 def bench_shape(K: int, N: int, ks, Ms, ctas_options, bw: float, rows: list, records: list):
@@ -108,10 +67,11 @@ def bench_shape(K: int, N: int, ks, Ms, ctas_options, bw: float, rows: list, rec
                 )
                 for _ in range(nq)
             ]
+            default = ops.gemv_splits(
+                N, K, torch.cuda.get_device_properties(0).multi_processor_count
+            )
             for ctas in ctas_options:
-                splits = ops.gemv_splits(
-                    N, K, torch.cuda.get_device_properties(0).multi_processor_count, ctas
-                )
+                splits = ctas or default  # --splits overrides the dispatch rule
                 t = graph_time_us(lambda i: lambda: ops._gemv(A, qws[i], None, out, M, splits), nq)
                 floor_us = qw.nbytes / (bw * 1e3)
                 gbs = qw.nbytes / (t * 1e3)
@@ -145,7 +105,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--k", type=int, nargs="+", default=[2, 3, 4, 5])
     p.add_argument("--m", type=int, nargs="+", default=[1, 4])
-    p.add_argument("--ctas", type=int, nargs="+", default=[ops.GEMV_CTAS_PER_SM])
+    p.add_argument("--splits", dest="ctas", type=int, nargs="+", default=[0],
+                   help="K splits to time (default: the dispatch rule's choice)")  # fmt: skip
     p.add_argument("--shapes", default="all", choices=["all", "large", "qwen"])
     p.add_argument("--json", default=os.environ.get("OUT", ".") + "/bench_gemv.json")
     args = p.parse_args()

@@ -1,0 +1,252 @@
+"""Host side of the mma.sync GEMM (M >= 5): tiling and split-K choice, split-K buffers, launch.
+
+``gemm_mma(A2d, qw, bias, out)`` runs ``kernels/gemm.py`` on CUDA tensors. The tiling and
+the split count come from the measured table ``kernels/gemm_table.py`` (rows by k and M;
+splits so that the M x N tiles times the splits fill the SMs to the table's target), unless
+the caller passes ``config`` / ``splits``. ``prefer_cublas(M, k)`` says where the table found
+dequantize + cuBLAS faster; ``kbit_cute.gemm`` uses it to pick the path.
+
+Split-K buffers live per (device, stream): an fp32 partials buffer (deterministic mode: the
+last CTA of a tile sums the splits in split order), an fp32 sums buffer kept at zero
+(atomic mode: ``red.add``, the last CTA reads and re-zeroes its tile) and the tile counters,
+kept at zero by the kernel. Nothing is cleared per call. Buffers grow and are never freed
+while the process runs (a captured CUDA graph may still point at an old one); call once
+before capturing a graph so the capture allocates nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import device as _device
+from .compile import MisalignedError, current_raw_stream, launcher
+from .format import KbitWeight
+from .kernels import gemm_table
+from .kernels.gemm import GemmConfig, GemmKernel, gemm_spec
+
+_DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
+MIN_K_ITERS_PER_SPLIT = 2  # a split shorter than this is mostly pipeline fill and drain
+_MAX_ELEMS = 1 << 31  # the kernel indexes A, out and the workspace with int32
+
+
+# ----------------------------------------------------------------------------- choice
+
+
+def table_rule(k: int, M: int) -> tuple[str, int, int]:
+    """(config name, target CTAs per SM, max splits) of the table row for bits k and M rows."""
+    rows = gemm_table.RULES.get(k)
+    if not rows:
+        raise ValueError(f"the GEMM table has no rows for k={k}")
+    for m_max, name, ctas_per_sm, max_splits in rows:
+        if M <= m_max:
+            return name, ctas_per_sm, max_splits
+    return rows[-1][1:]
+
+
+def choose_splits(
+    M: int, N: int, K: int, cfg: GemmConfig, sm_count: int, ctas_per_sm: int, max_splits: int
+) -> int:
+    """K splits so that tiles x splits reaches ctas_per_sm x SMs, each split >= 2 K slices."""
+    tiles = -(-M // cfg.tile_m) * -(-N // cfg.tile_n)
+    k_iters = -(-K // cfg.tile_k)
+    want = -(-ctas_per_sm * sm_count // tiles)
+    return max(1, min(want, max_splits, k_iters // MIN_K_ITERS_PER_SPLIT))
+
+
+def plan(M: int, N: int, K: int, k: int, sm_count: int) -> tuple[GemmConfig, int]:
+    """The table's (config, splits) for this problem on a GPU with ``sm_count`` SMs."""
+    name, ctas_per_sm, max_splits = table_rule(k, M)
+    cfg = GemmConfig.parse(name)
+    return cfg, choose_splits(M, N, K, cfg, sm_count, ctas_per_sm, max_splits)
+
+
+def prefer_cublas(M: int, k: int) -> bool:
+    """True where the table measured dequantize + cuBLAS faster than the kernel."""
+    m0 = gemm_table.CUBLAS_FROM_M.get(k)
+    return m0 is not None and M >= m0
+
+
+def table_configs(k: int) -> list[GemmConfig]:
+    """The configs the table uses for bits k (what CI compiles and the tests cover)."""
+    return [GemmConfig.parse(n) for n in dict.fromkeys(row[1] for row in gemm_table.RULES[k])]
+
+
+# ----------------------------------------------------------------------------- buffers
+
+
+class _SplitKBuffers:
+    """Split-K workspace of one (device, stream); see the module docstring."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.partials = torch.empty(1 << 16, dtype=torch.float32, device=device)
+        self.sums = torch.zeros(1 << 16, dtype=torch.float32, device=device)
+        self.counters = torch.zeros(4096, dtype=torch.int32, device=device)
+        self._retired: list[torch.Tensor] = []  # outgrown buffers a graph may still use
+
+    def get(self, ws_elems: int, tiles: int, atomic: bool):
+        if atomic and self.sums.numel() < ws_elems:
+            self._retired.append(self.sums)
+            self.sums = torch.zeros(ws_elems, dtype=torch.float32, device=self.device)
+        if not atomic and self.partials.numel() < ws_elems:
+            self._retired.append(self.partials)
+            self.partials = torch.empty(ws_elems, dtype=torch.float32, device=self.device)
+        if self.counters.numel() < tiles:
+            self._retired.append(self.counters)
+            self.counters = torch.zeros(tiles, dtype=torch.int32, device=self.device)
+        return (self.sums if atomic else self.partials), self.counters
+
+
+_buffers: dict[tuple[int, int], _SplitKBuffers] = {}
+_plans: dict[tuple, tuple[GemmConfig, int]] = {}
+_launchers: dict[tuple[int, str, str], object] = {}
+
+
+# ----------------------------------------------------------------------------- launch
+
+
+def gemm_mma(
+    A2d: torch.Tensor,
+    qw: KbitWeight,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    *,
+    config: GemmConfig | str | None = None,
+    splits: int | None = None,
+    deterministic: bool = False,
+) -> torch.Tensor:
+    """out[M, N] = A2d[M, K] @ W^T (+ bias) by the mma.sync GEMM; returns ``out``.
+
+    CUDA fp16/bf16 tensors; ``out`` contiguous [M, N] in A's dtype, ``bias`` [N] in A's
+    dtype or None. ``config`` / ``splits`` override the table. ``deterministic``: the
+    split-K reduction sums the splits in a fixed order (bit-identical run to run);
+    otherwise the splits are added with atomics (order varies in the last fp32 bits).
+    """
+    if not isinstance(qw, KbitWeight):
+        raise TypeError(f"qw must be a KbitWeight, got {type(qw).__name__}")
+    return launch(
+        A2d, qw.packed, qw.absmax, qw.codebook, qw.scale, qw.k, qw.N, qw.K, bias, out,
+        config=config, splits=splits, deterministic=deterministic,
+    )  # fmt: skip
+
+
+def launch(
+    A2d, packed, absmax, codebook, scale, k: int, N: int, K: int, bias, out,
+    *, config=None, splits=None, deterministic: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """``gemm_mma`` over the weight's tensors (the weight's own consistency is the caller's:
+    ``ops.check_weight``)."""
+    dtype = _check_args(A2d, packed, k, N, K, bias, out)
+    M = A2d.shape[0]
+    if M == 0:
+        return out
+    rows = (_MAX_ELEMS - 1) // (max(K, N) + 256)  # int32-safe rows per launch
+    if M > rows:
+        for r0 in range(0, M, rows):
+            launch(
+                A2d[r0 : r0 + rows], packed, absmax, codebook, scale, k, N, K, bias,
+                out[r0 : r0 + rows], config=config, splits=splits, deterministic=deterministic,
+            )  # fmt: skip
+        return out
+    dev = A2d.get_device()
+    cfg, splits = _resolve(M, N, K, k, dev, config, splits)
+    fn = _launchers.get((k, _DTYPES[dtype], cfg.name))
+    if fn is None:
+        fn = _launchers[(k, _DTYPES[dtype], cfg.name)] = launcher(gemm_spec(k, _DTYPES[dtype], cfg))
+    stream = current_raw_stream(dev)
+    bufs = _buffers.get((dev, stream))
+    if bufs is None:
+        bufs = _buffers[(dev, stream)] = _SplitKBuffers(A2d.device)
+    tiles = -(-M // cfg.tile_m) * -(-N // cfg.tile_n)
+    slab = tiles * cfg.tile_m * cfg.tile_n
+    splits = min(splits, max(1, (_MAX_ELEMS - 1) // slab))  # int32 workspace offsets
+    atomic = splits > 1 and not deterministic
+    ws, counters = bufs.get(slab if atomic else slab * splits, tiles, atomic)
+
+    if not A2d.is_contiguous():
+        A2d = A2d.contiguous()
+    dst = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)  # 16-byte row stores
+    has_bias = bias is not None
+    if has_bias and bias.stride(0) != 1:
+        bias = bias.contiguous()
+    args = [
+        A2d, packed, absmax, codebook, scale, bias if has_bias else dst, dst, ws, counters,
+        M, N, K, splits, int(has_bias), int(atomic),
+    ]  # fmt: skip
+    try:
+        fn(*args)
+    except MisalignedError:
+        # A view that does not start on a 16-byte boundary: copy it to fresh storage.
+        args[0] = A2d.clone(memory_format=torch.contiguous_format)
+        fn(*args)
+    if dst is not out:
+        out.copy_(dst)
+    return out
+
+
+def _resolve(M, N, K, k, dev, config, splits) -> tuple[GemmConfig, int]:
+    """(config, splits): the caller's, or the table's for this shape (cached per shape)."""
+    if config is None and splits is None:
+        key = (k, N, K, M, dev)
+        got = _plans.get(key)
+        if got is None:
+            props = _device.check_device(dev)
+            got = _plans[key] = plan(M, N, K, k, props.sm_count)
+            _check_smem(got[0], k, props)
+        return got
+    props = _device.check_device(dev)
+    if config is None:
+        cfg = plan(M, N, K, k, props.sm_count)[0]
+    elif isinstance(config, str):
+        cfg = GemmConfig.parse(config)
+    elif isinstance(config, GemmConfig):
+        cfg = config
+    else:
+        raise TypeError(f"config must be a GemmConfig or its name, got {type(config).__name__}")
+    problems = GemmKernel.problems(k, "f16", cfg)
+    if problems:
+        raise ValueError(f"GEMM config {cfg.name}: " + "; ".join(problems))
+    _check_smem(cfg, k, props)
+    if splits is None:
+        _, ctas_per_sm, max_splits = table_rule(k, M)
+        splits = choose_splits(M, N, K, cfg, props.sm_count, ctas_per_sm, max_splits)
+    if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= 65535:
+        raise ValueError(f"splits must be an int in 1..65535, got {splits!r}")
+    return cfg, splits
+
+
+def _check_smem(cfg: GemmConfig, k: int, props) -> None:
+    need = cfg.smem_bytes(k)
+    if need > props.smem_per_block_optin:
+        raise ValueError(
+            f"GEMM config {cfg.name} needs {need} bytes of shared memory at k={k}; "
+            f"{props.name} allows {props.smem_per_block_optin} per CTA (use fewer stages)"
+        )
+
+
+def _check_args(A2d, packed, k, N, K, bias, out) -> torch.dtype:
+    if not isinstance(A2d, torch.Tensor) or not isinstance(out, torch.Tensor):
+        raise TypeError("A2d and out must be torch tensors")
+    if k not in (2, 3, 4, 5):
+        raise ValueError(f"k must be 2..5, got {k}")
+    if A2d.ndim != 2 or A2d.shape[1] != K:
+        raise ValueError(f"A2d must be [M, K={K}], got shape {tuple(A2d.shape)}")
+    if A2d.dtype not in _DTYPES:
+        raise TypeError(f"A2d must be float16 or bfloat16, got {A2d.dtype}")
+    if tuple(out.shape) != (A2d.shape[0], N) or out.dtype != A2d.dtype:
+        raise ValueError(
+            f"out must be a {A2d.dtype} tensor of shape {(A2d.shape[0], N)}, "
+            f"got {out.dtype} {tuple(out.shape)}"
+        )
+    if bias is not None and (
+        not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (N,) or bias.dtype != A2d.dtype
+    ):
+        raise ValueError(f"bias must be a {A2d.dtype} tensor of shape ({N},)")
+    if not A2d.is_cuda:
+        raise ValueError(f"gemm_mma runs on CUDA tensors; A2d is on {A2d.device}")
+    for name, t in (("the weight", packed), ("out", out), ("bias", bias)):
+        if t is not None and t.device != A2d.device:
+            raise ValueError(f"A2d is on {A2d.device} but {name} is on {t.device}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    return A2d.dtype

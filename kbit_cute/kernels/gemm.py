@@ -1,0 +1,796 @@
+"""GEMM for M >= 5 with mma.sync: out[M, N] = A[M, K] @ W^T, W in the tiled kbit format.
+
+Mainloop (after the CUTLASS Ampere multistage GEMM, tensorop_gemm.py): a CTA owns a
+TILE_M x TILE_N output tile and a contiguous range of TILE_K slices of K (split-K).
+
+* A and B tiles go global -> shared with 16-byte ``cp.async`` into a ring of ``stages``
+  buffers (``commit_group`` / ``wait_group(stages - 2)``). A is swizzled for
+  conflict-free ``ldmatrix``; B is the repack tiles copied verbatim ([col][kb][bit] words
+  plus the absmax bytes), so a B stage costs k/8 + 1/32 bytes per weight of shared memory.
+* A fragments come from ``ldmatrix.x4``; B fragments are made in registers: a thread of the
+  m16n8k16 MMA owns column n = lane/4 and the K pairs (2t, 2t+1) + 8c (t = lane%4,
+  c = 0..3) of each 32-weight block, so it reads the block's k plane words once and
+  dequantizes exactly its 8 weights: every weight is dequantized once per CTA (warps
+  tile N only, unless ``warps_m`` > 1 is asked for large tiles).
+* Dequant per thread and block (k words -> 4 fp16/bf16 pairs = 4 B registers, 2k + 12
+  instructions for 8 weights): one funnel rotate and one LOP3 per plane gather the bits
+  of the 4 pairs, one PRMT per pair turns them into a byte offset (``pair_offsets``) into a
+  shared table of 2^(2k) packed codebook pairs (one LDS gives both halves of a B register),
+  and one HFMA2 applies the block's absmax, made from its E4M4 byte by one IMAD
+  (``absmax_x2``).
+* Software pipelining: the next 32-weight block's B registers are dequantized while the
+  current block's MMAs run (its plane words and absmax read from shared memory one block
+  ahead), A fragments are loaded one k16 step ahead, and the next stage is waited for on
+  the last k16 step of the current one, as in the CUTLASS multistage mainloop.
+* Epilogue: fp32 accumulators x per-tensor scale (+ bias) -> shared memory -> 16-byte
+  coalesced stores. With split-K every CTA writes its fragment (thread-major, coalesced)
+  to a workspace and counts itself in on a per-tile counter; the last CTA of a tile sums
+  the partials in split order (``deterministic``: bit-identical run to run), or, in atomic
+  mode, all CTAs ``red.add`` into a zeroed workspace that the last one reads and re-zeroes.
+  Counters are reset by the last CTA too: no memset is ever needed between calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.memory import SmemAllocator
+
+from ..format import BLOCK, BLOCKS_PER_TILE_K, TILE_K, TILE_N
+from .device_helpers import mul_x2, prmt
+
+# Repack tile sizes, in the units the kernel copies.
+_TILE_WORDS_PER_K = TILE_N * BLOCKS_PER_TILE_K  # int32 words of one repack tile, per bit
+_TILE_ABSMAX = TILE_N * BLOCKS_PER_TILE_K  # absmax bytes of one repack tile
+_CHUNK = 16  # bytes per cp.async
+_C_PAD = 8  # elements of padding per epilogue row: rows start 4 banks apart (no conflicts)
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Compile-time tiling of ``GemmKernel``; ``name`` encodes it (it keys the caches)."""
+
+    tile_m: int = 16
+    tile_n: int = 128
+    tile_k: int = 64
+    stages: int = 4
+    warps_m: int = 1
+    warps_n: int = 4
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+    @property
+    def name(self) -> str:
+        return (
+            f"m{self.tile_m}n{self.tile_n}k{self.tile_k}s{self.stages}"
+            f"w{self.warps_m}x{self.warps_n}"
+        )
+
+    @staticmethod
+    def parse(name: str) -> GemmConfig:
+        """Inverse of ``name`` (the dispatch table stores names)."""
+        import re
+
+        m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)x(\d+)", name)
+        if m is None:
+            raise ValueError(f"not a GEMM config name: {name!r}")
+        return GemmConfig(*(int(x) for x in m.groups()))
+
+    def problems(self) -> list[str]:
+        """Why this config cannot be compiled (empty when it can)."""
+        out = []
+        if self.tile_m not in (16, 32, 64, 128):
+            out.append(f"tile_m must be 16, 32, 64 or 128, got {self.tile_m}")
+        if self.tile_n not in (128, 256):
+            out.append(f"tile_n must be 128 or 256, got {self.tile_n}")
+        if self.tile_k not in (64, 128):
+            out.append(f"tile_k must be 64 or 128, got {self.tile_k}")
+        if not 3 <= self.stages <= 8:
+            out.append(f"stages must be 3..8, got {self.stages}")
+        if self.warps_m < 1 or self.tile_m % (16 * self.warps_m):
+            out.append(f"tile_m={self.tile_m} is not a multiple of 16 * warps_m={self.warps_m}")
+        if self.warps_n not in (1, 2, 4, 8, 16) or self.tile_n % (8 * self.warps_n):
+            out.append(f"warps_n={self.warps_n} must be a power of two <= 16 dividing tile_n/8")
+        if self.threads > 512:
+            out.append(f"{self.threads} threads per CTA; at most 512")
+        if self.threads < self.tile_k:
+            # A copy passes must advance whole 8-row swizzle atoms.
+            out.append(f"{self.threads} threads cannot copy A rows of tile_k={self.tile_k}")
+        return out
+
+    def smem_bytes(self, k: int) -> int:
+        """Dynamic shared memory of a CTA: pipeline (or the epilogue tile) + pair table."""
+        return _smem_plan(self, k)["total"]
+
+
+def _smem_plan(cfg: GemmConfig, k: int) -> dict:
+    """Byte offsets of the shared-memory regions (Python ints, fixed at trace time)."""
+    rtiles = (cfg.tile_k // TILE_K) * (cfg.tile_n // TILE_N)
+    a_stage = cfg.tile_m * cfg.tile_k * 2
+    w_stage = rtiles * _TILE_WORDS_PER_K * k * 4
+    s_stage = rtiles * _TILE_ABSMAX
+    pipe = cfg.stages * (a_stage + w_stage + s_stage)
+    epi = cfg.tile_m * (cfg.tile_n + _C_PAD) * 2
+    union = -(-max(pipe, epi) // 1024) * 1024
+    table = 4 << (2 * k)
+    return dict(
+        a=0,
+        w=cfg.stages * a_stage,
+        s=cfg.stages * (a_stage + w_stage),
+        a_stage=a_stage,
+        w_stage=w_stage,
+        s_stage=s_stage,
+        union=union,
+        table=union,
+        flag=union + table,
+        total=union + table + 16,
+    )
+
+
+# ------------------------------------------------------------- proposed for device_helpers
+#
+# Generic register-level pieces of the B dequant; candidates for ``device_helpers``.
+
+
+@cute.jit
+def rotr(x: Uint32, n: Int32) -> Uint32:
+    """Rotate right by n (mod 32): one funnel shift (SHF.R.W)."""
+    v = Uint32(x).ir_value()
+    return Uint32(llvm.intr_fshr(v, v, Uint32(n).ir_value()))
+
+
+# E4M4 (bias 11) is an IEEE-style minifloat: placed in the top bits of a wider float's
+# exponent/mantissa field it reads as the true value times a power of two, normal and
+# subnormal codes alike (fp16: code << 6 is 2^-4 x value; bf16: code << 3 is 2^-116 x
+# value). Multiplying the code by MAGIC puts it in both halves at once; the codebook table
+# carries the inverse factor, so codebook x absmax comes out exact-scaled with one HFMA2.
+_ABSMAX_MAGIC = {"f16": (1 << 6) | (1 << 22), "bf16": (1 << 3) | (1 << 19)}
+_CODEBOOK_FACTOR = {"f16": 2.0**4, "bf16": 2.0**116}
+
+
+def absmax_x2(code: Uint32, dtype_name: str) -> Uint32:
+    """E4M4 byte (0..255, already zero-extended) -> both halves of an fp16x2 / bf16x2
+    register holding its value / ``_CODEBOOK_FACTOR`` (bit-exact, subnormal codes too):
+    one IMAD, where decoding through fp32 takes about six instructions."""
+    return Uint32(code) * Uint32(_ABSMAX_MAGIC[dtype_name])
+
+
+def pair_table_index(p: int, k: int) -> tuple[int, int]:
+    """Pair index -> (i0, i1): bit 2b of p is bit b of i0, bit 2b+1 is bit b of i1."""
+    i0 = sum(((p >> (2 * b)) & 1) << b for b in range(k))
+    i1 = sum(((p >> (2 * b + 1)) & 1) << b for b in range(k))
+    return i0, i1
+
+
+# A thread with t = lane % 4 owns the element pairs (8c + 2t, 8c + 2t + 1), c = 0..3, of a
+# block: in plane b they are bits 8c + 2t (+1). Rotating plane b right by 2t - 2 - 2b puts
+# them at 8c + 2 + 2b: for b <= 2 inside byte c ("lo" word, bits 2..7), for b >= 3 at bits
+# 2b - 6 of byte c + 1 ("hi" word). One PRMT then assembles pair c's table byte offset
+# 4 * p (p = the 2k-bit interleaved pair index) from lo byte c (bits 0..7) and hi byte c + 1
+# (bits 8..11); the upper bytes replicate the sign of a hi byte, whose bit 7 is always 0.
+_PAIR_MASK = 0x03030303
+
+
+def pair_rotation(t, b: int):
+    """Right-rotation of plane b for lane quad position t (an int or a traced Int32)."""
+    return (t * 2 + (32 - 2 - 2 * b)) & 31
+
+
+def pair_mask(b: int) -> int:
+    return _PAIR_MASK << (2 + 2 * b) if b <= 2 else _PAIR_MASK << (2 * b - 6)
+
+
+def pair_offset_selector(c: int) -> int:
+    """PRMT selector: byte 0 <- lo byte c, byte 1 <- hi byte c+1, bytes 2, 3 <- sign of hi
+    byte 0 (always 0: hi bytes use bits 0..3 at most)."""
+    return c | ((4 + (c + 1) % 4) << 4) | (0xC << 8) | (0xC << 12)
+
+
+def pair_offsets(planes: list, t, k: int) -> list:
+    """k plane words of a block -> this thread's 4 pair-table byte offsets (pair order c).
+
+    2k + 4 instructions for 8 weights: k rotates, k LOP3 and 4 PRMT. ``planes`` are traced
+    Uint32 values, or Python ints with ``t`` an int (host tests run this same code).
+    """
+    host = isinstance(t, int)
+    lo = hi = None
+    for b in range(k):
+        if host:
+            term = _rotr_host(planes[b], pair_rotation(t, b)) & pair_mask(b)
+        else:
+            term = rotr(Uint32(planes[b]), pair_rotation(t, b)) & Uint32(pair_mask(b))
+        if b <= 2:
+            lo = term if lo is None else lo | term
+        else:
+            hi = term if hi is None else hi | term
+    if hi is None:
+        hi = 0 if host else Uint32(0)
+    if host:
+        return [_prmt_host(lo, hi, pair_offset_selector(c)) for c in range(4)]
+    return [prmt(lo, hi, pair_offset_selector(c)) for c in range(4)]
+
+
+def _rotr_host(x: int, n: int) -> int:
+    x &= 0xFFFFFFFF
+    return ((x >> n) | (x << (32 - n))) & 0xFFFFFFFF if n else x
+
+
+def _prmt_host(a: int, b: int, sel: int) -> int:
+    """prmt.b32 (default mode) on host ints."""
+    src = (a & 0xFFFFFFFF) | ((b & 0xFFFFFFFF) << 32)
+    out = 0
+    for i in range(4):
+        nib = (sel >> (4 * i)) & 0xF
+        byte = (src >> (8 * (nib & 7))) & 0xFF
+        if nib & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return out
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+_DTYPES = {"f16": cutlass.Float16, "bf16": cutlass.BFloat16}
+
+
+class GemmKernel:
+    """mma.sync GEMM over a kbit weight. Compile-time config: ``k``, dtype name, ``GemmConfig``."""
+
+    def __init__(self, k: int, dtype: str, config: GemmConfig):
+        problems = GemmKernel.problems(k, dtype, config)
+        if problems:
+            raise ValueError(f"GemmKernel(k={k}, {dtype}, {config.name}): " + "; ".join(problems))
+        self.k, self.dtype_name, self.cfg = k, dtype, config
+        self.dtype = _DTYPES[dtype]
+        self.threads = config.threads
+        self.plan = _smem_plan(config, k)
+        # Static tiling numbers used while tracing.
+        self.rk_n = config.tile_k // TILE_K  # repack k-tiles per CTA k-slice
+        self.rn_n = config.tile_n // TILE_N  # repack n-tiles per CTA tile
+        self.ks = config.tile_k // 16  # k16 MMA steps per k-slice
+        self.nj = config.tile_n // (8 * config.warps_n)  # n8 MMA tiles per warp (reps)
+        self.tile_words = _TILE_WORDS_PER_K * k  # int32 words of one repack tile
+
+    @staticmethod
+    def problems(k: int, dtype: str, config: GemmConfig) -> list[str]:
+        out = list(config.problems())
+        if k not in (2, 3, 4, 5):
+            out.append(f"k must be 2..5, got {k}")
+        if dtype not in _DTYPES:
+            out.append(f"dtype must be 'f16' or 'bf16', got {dtype!r}")
+        return out
+
+    @staticmethod
+    def can_implement(k: int, dtype: str, config: GemmConfig, smem_limit: int = 227 * 1024):
+        """True when the variant compiles and its shared memory fits ``smem_limit`` bytes
+        (227 KB on sm_90, 163 KB on sm_80)."""
+        return not GemmKernel.problems(k, dtype, config) and config.smem_bytes(k) <= smem_limit
+
+    @cute.jit
+    def __call__(
+        self,
+        pA: cute.Pointer,  # (M, K) row-major, dtype, 16-byte aligned
+        pPacked: cute.Pointer,  # int32 tiled words
+        pAbsmax: cute.Pointer,  # uint8 tiled absmax
+        pCodebook: cute.Pointer,  # fp32 (2^k,)
+        pScale: cute.Pointer,  # fp32 (1,) per-tensor scale
+        pBias: cute.Pointer,  # (N,) dtype; read only if has_bias
+        pOut: cute.Pointer,  # (M, N) row-major, dtype, 16-byte aligned
+        pWorkspace: cute.Pointer,  # fp32: partials (ordered) or zeroed sums (atomic)
+        pCounters: cute.Pointer,  # int32 (m tiles * n tiles,), zero; left zero
+        M: Int32,
+        N: Int32,
+        K: Int32,  # a multiple of 32
+        splits: Int32,
+        has_bias: Int32,
+        atomic: Int32,  # 0: ordered split-K reduction (deterministic), 1: red.add
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        K = cute.assume(K, divby=BLOCK)
+        m_ctas = (M + cfg.tile_m - 1) // cfg.tile_m
+        n_ctas = (N + cfg.tile_n - 1) // cfg.tile_n
+        # m tiles fastest: the CTAs that share a weight tile run together (one HBM read).
+        self.kernel(
+            pA, pPacked, pAbsmax, pCodebook, pScale, pBias, pOut, pWorkspace, pCounters,
+            M, N, K, splits, has_bias, atomic,
+        ).launch(
+            grid=[m_ctas, n_ctas, splits], block=[self.threads, 1, 1], stream=stream
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------------- device
+
+    @cute.kernel
+    def kernel(
+        self,
+        pA: cute.Pointer,
+        pPacked: cute.Pointer,
+        pAbsmax: cute.Pointer,
+        pCodebook: cute.Pointer,
+        pScale: cute.Pointer,
+        pBias: cute.Pointer,
+        pOut: cute.Pointer,
+        pWorkspace: cute.Pointer,
+        pCounters: cute.Pointer,
+        M: Int32,
+        N: Int32,
+        K: Int32,
+        splits: Int32,
+        has_bias: Int32,
+        atomic: Int32,
+    ):
+        cfg, k, plan = self.cfg, self.k, self.plan
+        tidx, _, _ = cute.arch.thread_idx()
+        m_cta, n_cta, split = cute.arch.block_idx()
+        m_ctas = (M + cfg.tile_m - 1) // cfg.tile_m
+
+        # K slices of this split: [kt_begin, kt_end) in units of TILE_K.
+        k_iters = (K + cfg.tile_k - 1) // cfg.tile_k
+        kt_begin = split * k_iters // splits
+        kt_end = (split + 1) * k_iters // splits
+        n_iter = kt_end - kt_begin
+
+        # ---- shared memory: [pipeline stages | epilogue tile] union, pair table, flag
+        smem = SmemAllocator()
+        base_u8 = cute.recast_ptr(
+            smem.allocate(plan["total"], byte_alignment=1024), dtype=cutlass.Uint8
+        )
+        sA = cute.make_tensor(
+            cute.recast_ptr(base_u8 + plan["a"], dtype=self.dtype), self.a_smem_layout()
+        )  # (TILE_M, TILE_K, stages), swizzled
+        sW = cute.recast_ptr(base_u8 + plan["w"], dtype=Int32)  # stages x repack tiles
+        sS = base_u8 + plan["s"]  # stages x absmax bytes of the repack tiles
+        sTable_u8 = base_u8 + plan["table"]
+        sFlag = cute.make_tensor(
+            cute.recast_ptr(base_u8 + plan["flag"], dtype=Int32), cute.make_layout(1)
+        )
+
+        self.build_pair_table(pCodebook, sTable_u8)
+
+        # ---- MMA partitions: warps tile (M, N) as (warps_m, warps_n)
+        tiled_mma = cute.make_tiled_mma(
+            cute.nvgpu.warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)),
+            cute.make_layout((cfg.warps_m, cfg.warps_n, 1)),
+        )
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA[None, None, 0]))  # (8, MI, KS)
+        ldsm = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), self.dtype)
+        tiled_ldsm = cute.make_tiled_copy_A(ldsm, tiled_mma)
+        thr_ldsm = tiled_ldsm.get_slice(tidx)
+        tCsA_ld = thr_ldsm.partition_S(sA)  # (CPY, MI, KS, stages)
+        tCrA_ld = thr_ldsm.retile(tCrA)
+        # B fragments are made by the dequant; their shape comes from a stand-in (N, K) tile.
+        stand_in = cute.make_tensor(sA.iterator, cute.make_layout((cfg.tile_n, cfg.tile_k)))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(stand_in))  # ((2,2), NJ, KS)
+        tCrB32 = cute.recast_tensor(tCrB, Int32)  # ((1,2), NJ, KS): one register per pair
+        stand_in = cute.make_tensor(sA.iterator, cute.make_layout((cfg.tile_m, cfg.tile_n)))
+        tCrC = tiled_mma.make_fragment_C(thr_mma.partition_C(stand_in))  # (4, MI, NJ) fp32
+        tCrC.fill(0.0)
+
+        # ---- per-thread copy and fragment offsets (loop invariant)
+        mA = cute.make_tensor(pA, cute.make_layout((M, K), stride=(K, 1)))
+        a_off = self.a_copy_offsets(sA, mA, m_cta)
+        n_tiles128 = (N + TILE_N - 1) // TILE_N
+        k_tiles64 = (K + TILE_K - 1) // TILE_K
+        lane = tidx % 32
+        wn = (tidx // 32) // cfg.warps_m
+        t4 = lane % 4
+        # Column of rep 0 inside its repack tile: rep j adds 8 * warps_n * j.
+        col0 = wn * 8 + lane // 4
+
+        # ---- prologue: fill stages - 1 buffers, then the first fragments
+        for s in cutlass.range_constexpr(cfg.stages - 1):
+            if s < n_iter:
+                self.load_stage(
+                    pPacked, pAbsmax, sA, sW, sS, mA, a_off, kt_begin + s, s, n_cta,
+                    n_tiles128, k_tiles64,
+                )  # fmt: skip
+            cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(cfg.stages - 2)
+        cute.arch.sync_threads()
+
+        rP = cute.make_rmem_tensor((2 * k, self.nj), Int32)  # planes of one repack k-tile
+        rS = cute.make_rmem_tensor((self.nj,), Int32)  # its absmax byte pairs
+        read_stage = Int32(0)
+        write_stage = Int32(cfg.stages - 1)
+        cute.copy(tiled_ldsm, tCsA_ld[None, None, 0, read_stage], tCrA_ld[None, None, 0])
+        self.load_b_rk(sW, sS, rP, rS, read_stage, 0, col0)
+        self.dequant_block(sTable_u8, rP, rS, tCrB32, 0, t4)
+
+        nb = self.ks // 2  # 32-weight blocks per k-slice
+        for it in cutlass.range(n_iter, unroll=1):
+            for s in cutlass.range_constexpr(self.ks):
+                if s == self.ks - 1:
+                    # Every read of the current buffer has been issued: wait for the next
+                    # one, and the barrier frees the current one for the copy at s == 0.
+                    read_stage = read_stage + 1
+                    if read_stage == cfg.stages:
+                        read_stage = 0
+                    cute.arch.cp_async_wait_group(cfg.stages - 2)
+                    cute.arch.sync_threads()
+                s_next = (s + 1) % self.ks
+                cute.copy(
+                    tiled_ldsm, tCsA_ld[None, None, s_next, read_stage], tCrA_ld[None, None, s_next]
+                )
+                # B for the next block is dequantized while this step's MMAs run.
+                if s == self.ks - 1:
+                    self.load_b_rk(sW, sS, rP, rS, read_stage, 0, col0)
+                    self.dequant_block(sTable_u8, rP, rS, tCrB32, 0, t4)
+                elif s % 2 == 0 and s // 2 + 1 < nb:
+                    blk = s // 2 + 1
+                    if blk % 2 == 0:
+                        self.load_b_rk(sW, sS, rP, rS, read_stage, blk // 2, col0)
+                    self.dequant_block(sTable_u8, rP, rS, tCrB32, blk, t4)
+                if s == 0:
+                    kt_next = kt_begin + it + cfg.stages - 1
+                    if kt_next < kt_end:
+                        self.load_stage(
+                            pPacked, pAbsmax, sA, sW, sS, mA, a_off, kt_next, write_stage,
+                            n_cta, n_tiles128, k_tiles64,
+                        )  # fmt: skip
+                    cute.arch.cp_async_commit_group()
+                    write_stage = write_stage + 1
+                    if write_stage == cfg.stages:
+                        write_stage = 0
+                cute.gemm(tiled_mma, tCrC, tCrA[None, None, s], tCrB[None, None, s], tCrC)
+
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()  # every warp is done with the stages: the union is free
+
+        self.epilogue(
+            thr_mma, tCrC, base_u8, sFlag, pScale, pBias, pOut, pWorkspace, pCounters,
+            M, N, splits, split, has_bias, atomic, m_cta, n_cta, m_ctas,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------------- layouts
+
+    def a_smem_layout(self):
+        """(TILE_M, TILE_K, stages) K-major in 8 x 64 atoms, 16-byte chunks XOR-swizzled by
+        row: ldmatrix reads 8 rows of one chunk column without bank conflicts."""
+        atom = cute.make_composed_layout(
+            cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
+        )
+        shape = (self.cfg.tile_m, self.cfg.tile_k, self.cfg.stages)
+        return cute.tile_to_shape(atom, shape, (0, 1, 2))
+
+    # ------------------------------------------------------------------------- pieces
+
+    @cute.jit
+    def build_pair_table(self, pCodebook: cute.Pointer, sTable_u8):
+        """table[p] = (cb[i0], cb[i1]) x factor in the activation dtype, p = interleaved
+        pair index (``pair_table_index``); 2^(2k) 32-bit entries."""
+        k = self.k
+        tidx, _, _ = cute.arch.thread_idx()
+        mCb = cute.make_tensor(pCodebook, cute.make_layout(1 << k))
+        sTable = cute.make_tensor(
+            cute.recast_ptr(sTable_u8, dtype=Int32), cute.make_layout(1 << (2 * k))
+        )
+        factor = Float32(_CODEBOOK_FACTOR[self.dtype_name])
+        pair = cute.make_rmem_tensor((2,), self.dtype)
+        entries = 1 << (2 * k)
+        for i in cutlass.range_constexpr((entries + self.threads - 1) // self.threads):
+            p = tidx + i * self.threads
+            if entries % self.threads == 0 or p < entries:
+                i0 = Int32(0)
+                i1 = Int32(0)
+                for b in cutlass.range_constexpr(k):
+                    i0 = i0 | (((p >> (2 * b)) & 1) << b)
+                    i1 = i1 | (((p >> (2 * b + 1)) & 1) << b)
+                pair[0] = self.dtype(mCb[i0] * factor)
+                pair[1] = self.dtype(mCb[i1] * factor)
+                sTable[p] = cute.recast_tensor(pair, Int32)[0]
+
+    @cute.jit
+    def a_copy_offsets(self, sA, mA, m_cta):
+        """Per-thread A copy plan: [0] the smem element offset of the thread's chunk in stage
+        0 (later passes add whole swizzle atoms), [1 + i] the global element offset of pass
+        i's chunk at k-slice 0. Rows past M re-read row M - 1 (their outputs are never
+        stored)."""
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        M, K = mA.shape
+        chunks_row = cfg.tile_k // 8
+        row0, kc = tidx // chunks_row, tidx % chunks_row
+        offs = cute.make_rmem_tensor((self.a_passes() + 1,), Int32)
+        offs[0] = cute.crd2idx((cutlass.min(row0, cfg.tile_m - 1), kc * 8, 0), sA.layout)
+        for i in cutlass.range_constexpr(self.a_passes()):
+            row = cutlass.min(cfg.tile_m * m_cta + row0 + i * self.a_rows_per_pass(), M - 1)
+            offs[i + 1] = row * K + kc * 8
+        return offs
+
+    def a_rows_per_pass(self) -> int:
+        return self.threads // (self.cfg.tile_k // 8)
+
+    def a_passes(self) -> int:
+        return -(-self.cfg.tile_m // self.a_rows_per_pass())
+
+    @cute.jit
+    def load_stage(
+        self, pPacked, pAbsmax, sA, sW, sS, mA, a_off, kt, stage, n_cta, n_tiles128, k_tiles64
+    ):
+        """cp.async of CTA k-slice ``kt`` (A rows, B words, absmax) into buffer ``stage``."""
+        cfg, plan = self.cfg, self.plan
+        tidx, _, _ = cute.arch.thread_idx()
+        M, K = mA.shape
+        g2s_w = cute.make_copy_atom(
+            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
+            Int32,
+            num_bits_per_copy=128,
+        )
+        g2s_a = cute.make_copy_atom(
+            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
+            self.dtype,
+            num_bits_per_copy=128,
+        )
+        # A: chunks past K are zero-filled (the padded weights there are zero, and A must
+        # not be NaN). Every thread's chunks share one chunk column, hence one K check.
+        chunks_row = cfg.tile_k // 8
+        rows_pass = self.a_rows_per_pass()
+        row0 = tidx // chunks_row
+        gk = kt * cfg.tile_k + (tidx % chunks_row) * 8
+        a_stage = stage * (cfg.tile_m * cfg.tile_k)
+        zero8 = cute.make_rmem_tensor((8,), self.dtype)
+        zero8.fill(0.0)
+        for i in cutlass.range_constexpr(self.a_passes()):
+            if rows_pass * (i + 1) <= cfg.tile_m or row0 + i * rows_pass < cfg.tile_m:
+                s_off = cute.assume(a_off[0] + a_stage + i * rows_pass * 64, divby=8)
+                dst = cute.make_tensor(sA.iterator + s_off, cute.make_layout(8))
+                if gk < K:
+                    g_off = cute.assume(a_off[i + 1] + kt * cfg.tile_k, divby=8)
+                    cute.copy(
+                        g2s_a, cute.make_tensor(mA.iterator + g_off, cute.make_layout(8)), dst
+                    )
+                else:
+                    cute.autovec_copy(zero8, dst)
+        # B: RK x RN repack tiles, each a contiguous run of words and one of absmax bytes.
+        # Tiles past the padded weight (TILE_N = 256 over an odd tile count, TILE_K = 128
+        # over an odd one) are skipped: stale shared data there meets zero A or unstored
+        # output columns, and every word pattern dequantizes to a finite value.
+        w_chunks = self.tile_words * 4 // _CHUNK
+        for rk in cutlass.range_constexpr(self.rk_n):
+            for rn in cutlass.range_constexpr(self.rn_n):
+                kt64 = kt * self.rk_n + rk
+                nt = n_cta * self.rn_n + rn
+                if kt64 < k_tiles64 and nt < n_tiles128:
+                    tile = kt64 * n_tiles128 + nt
+                    r = rk * self.rn_n + rn
+                    w_dst = stage * (plan["w_stage"] // 4) + r * self.tile_words
+                    for i in cutlass.range_constexpr(-(-w_chunks // self.threads)):
+                        q = tidx + i * self.threads
+                        if w_chunks % self.threads == 0 or q < w_chunks:
+                            src = pPacked + cute.assume(tile * self.tile_words + q * 4, divby=4)
+                            dst = sW + cute.assume(w_dst + q * 4, divby=4)
+                            cute.copy(
+                                g2s_w,
+                                cute.make_tensor(src, cute.make_layout(4)),
+                                cute.make_tensor(dst, cute.make_layout(4)),
+                            )
+                    # The 16 absmax chunks go to the CTA's last threads, which the words
+                    # leave idle when 64k chunks are not a multiple of the CTA size.
+                    q = tidx - (self.threads - _TILE_ABSMAX // _CHUNK)
+                    if q >= 0:
+                        src = pAbsmax + cute.assume(tile * _TILE_ABSMAX + q * _CHUNK, divby=16)
+                        dst = sS + cute.assume(
+                            stage * plan["s_stage"] + r * _TILE_ABSMAX + q * _CHUNK, divby=16
+                        )
+                        cute.copy(
+                            g2s_w,
+                            cute.make_tensor(
+                                cute.recast_ptr(src, dtype=Int32), cute.make_layout(4)
+                            ),
+                            cute.make_tensor(
+                                cute.recast_ptr(dst, dtype=Int32), cute.make_layout(4)
+                            ),
+                        )
+
+    @cute.jit
+    def load_b_rk(self, sW, sS, rP, rS, stage, rk, col0):
+        """All 2k plane words (both K blocks) of repack k-tile ``rk`` of buffer ``stage`` for
+        this thread's NJ columns, and their absmax byte pairs."""
+        cfg, k, plan = self.cfg, self.k, self.plan
+        col_words = BLOCKS_PER_TILE_K * k  # a column's words in a repack tile: 16-byte
+        align = 4 if k % 2 == 0 else 2  # aligned for even k, 8-byte for odd k
+        for j in cutlass.range_constexpr(self.nj):
+            cj = 8 * cfg.warps_n * j
+            r = rk * self.rn_n + cj // TILE_N
+            col = col0 + cj % TILE_N
+            off = stage * (plan["w_stage"] // 4) + r * self.tile_words + col * col_words
+            src = cute.make_tensor(sW + cute.assume(off, divby=align), cute.make_layout(2 * k))
+            cute.autovec_copy(src, rP[None, j])
+            s_off = stage * plan["s_stage"] + r * _TILE_ABSMAX + col * BLOCKS_PER_TILE_K
+            s_ptr = cute.recast_ptr(sS + cute.assume(s_off, divby=2), dtype=cutlass.Uint16)
+            rS[j] = Int32(cute.make_tensor(s_ptr, cute.make_layout(1))[0])
+
+    @cute.jit
+    def dequant_block(self, sTable_u8, rP, rS, tCrB32, blk, t4):
+        """B registers of k16 steps 2 blk and 2 blk + 1 (one 32-weight block), every rep."""
+        k = self.k
+        kb2 = blk % BLOCKS_PER_TILE_K
+        for j in cutlass.range_constexpr(self.nj):
+            planes = [Uint32(rP[kb2 * k + b, j]) for b in range(k)]
+            offsets = pair_offsets(planes, t4, k)
+            code = prmt(Uint32(rS[j]), Uint32(0), 0x4440 | kb2)  # byte kb2, zero-extended
+            scale_x2 = absmax_x2(code, self.dtype_name)
+            for c in cutlass.range_constexpr(4):
+                pair = self.table_load(sTable_u8, offsets[c])
+                w = mul_x2(Uint32(pair), scale_x2, self.dtype)
+                tCrB32[(0, c % 2), j, 2 * blk + c // 2] = Int32(w)
+
+    @cute.jit
+    def table_load(self, sTable_u8, off):
+        """32-bit entry of the pair table at byte offset ``off`` (a multiple of 4)."""
+        ptr = cute.recast_ptr(sTable_u8 + cute.assume(off, divby=4), dtype=Int32)
+        return cute.make_tensor(ptr, cute.make_layout(1))[0]
+
+    # ------------------------------------------------------------------------- epilogue
+
+    @cute.jit
+    def epilogue(
+        self, thr_mma, tCrC, base_u8, sFlag, pScale, pBias, pOut, pWorkspace,
+        pCounters, M, N, splits, split, has_bias, atomic, m_cta, n_cta, m_ctas,
+    ):  # fmt: skip
+        """Split-K reduction (if any), then scale (+ bias) and the coalesced store."""
+        tidx, _, _ = cute.arch.thread_idx()
+        T = self.threads
+        V = cute.size(tCrC)
+        acc = cute.make_tensor(tCrC.iterator, cute.make_layout(V))  # flat view
+        tile = m_cta + m_ctas * n_cta
+        do_store = Int32(1)
+        if splits > 1:
+            # Workspace rows of 4 fp32 per thread, thread-major: every access is a
+            # coalesced 16-byte vector. Ordered: [tile][split][V/4][T][4]; atomic: [tile][...].
+            slab = V * T
+            if atomic == 0:
+                mine = (tile * splits + split) * slab
+                for v4 in cutlass.range_constexpr(V // 4):
+                    off = cute.assume(mine + (v4 * T + tidx) * 4, divby=4)
+                    dst = cute.make_tensor(pWorkspace + off, cute.make_layout(4))
+                    cute.autovec_copy(self._four(acc, v4), dst)
+            else:
+                mine = tile * slab
+                for v in cutlass.range_constexpr(V):
+                    off = mine + ((v // 4) * T + tidx) * 4 + v % 4
+                    cute.arch.red(
+                        pWorkspace + off,
+                        acc[v],
+                        op="add",
+                        dtype=Float32,
+                        sem="relaxed",
+                        scope="gpu",
+                    )
+            # Publish, then count this CTA in; the last one of the tile reduces and stores.
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.sync_threads()
+            if tidx == 0:
+                counter = pCounters + tile
+                prev = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
+                last = Int32(prev == splits - 1)
+                if last != 0:
+                    cute.arch.atomic_exch(counter, Int32(0))  # ready for the next call
+                sFlag[0] = last
+            cute.arch.sync_threads()
+            do_store = sFlag[0]
+            if do_store != 0:
+                cute.arch.fence_acq_rel_gpu()
+                if atomic == 0:
+                    acc.fill(0.0)
+                    for sp in cutlass.range(splits, unroll=1):  # fixed order: deterministic
+                        theirs = (tile * splits + sp) * slab
+                        for v4 in cutlass.range_constexpr(V // 4):
+                            off = cute.assume(theirs + (v4 * T + tidx) * 4, divby=4)
+                            vals = self.load_cg4(pWorkspace + off)
+                            for e in cutlass.range_constexpr(4):
+                                acc[v4 * 4 + e] = acc[v4 * 4 + e] + vals[e]
+                else:
+                    zero4 = cute.make_rmem_tensor((4,), Float32)
+                    zero4.fill(0.0)
+                    theirs = tile * slab
+                    for v4 in cutlass.range_constexpr(V // 4):
+                        off = cute.assume(theirs + (v4 * T + tidx) * 4, divby=4)
+                        vals = self.load_cg4(pWorkspace + off)
+                        for e in cutlass.range_constexpr(4):
+                            acc[v4 * 4 + e] = vals[e]
+                        # Leave the workspace zero for the next call.
+                        cute.autovec_copy(
+                            zero4, cute.make_tensor(pWorkspace + off, cute.make_layout(4))
+                        )
+        if do_store != 0:
+            self.store_tile(
+                thr_mma, tCrC, base_u8, pScale, pBias, pOut, M, N, has_bias, m_cta, n_cta
+            )
+
+    @cute.jit
+    def _four(self, acc, v4):
+        r = cute.make_rmem_tensor((4,), Float32)
+        for e in cutlass.range_constexpr(4):
+            r[e] = acc[v4 * 4 + e]
+        return r
+
+    @cute.jit
+    def load_cg4(self, ptr):
+        """Four fp32 from L2 (ld.global.cg.v4): partials other CTAs wrote."""
+        vec = cute.arch.load(ptr, cutlass._mlir.ir.VectorType.get([4], Float32.mlir_type), cop="cg")
+        r = cute.make_rmem_tensor((4,), Float32)
+        for e in cutlass.range_constexpr(4):
+            r[e] = Float32(llvm.extractelement(vec, Int32(e).ir_value()))
+        return r
+
+    @cute.jit
+    def store_tile(self, thr_mma, tCrC, base_u8, pScale, pBias, pOut, M, N, has_bias, m_cta, n_cta):
+        """acc x scale (+ bias) -> dtype -> shared tile -> 16-byte coalesced global stores."""
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        m0, n0 = m_cta * cfg.tile_m, n_cta * cfg.tile_n
+        sC = cute.make_tensor(
+            cute.recast_ptr(base_u8, dtype=self.dtype),
+            cute.make_layout((cfg.tile_m, cfg.tile_n), stride=(cfg.tile_n + _C_PAD, 1)),
+        )
+        tCsC = thr_mma.partition_C(sC)
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
+        scale = cute.make_tensor(pScale, cute.make_layout(1))[0]
+        mBias = cute.make_tensor(pBias, cute.make_layout(N))
+        tCrD = cute.make_fragment_like(tCrC, self.dtype)
+        for v in cutlass.range_constexpr(cute.size(tCrC)):
+            r = tCrC[v] * scale
+            if has_bias != 0:
+                r = r + Float32(mBias[cutlass.min(n0 + tCcC[v][1], N - 1)])
+            tCrD[v] = self.dtype(r)
+        cute.autovec_copy(tCrD, tCsC)
+        cute.arch.sync_threads()
+        mOut = cute.make_tensor(pOut, cute.make_layout((M, N), stride=(N, 1)))
+        chunks_row = cfg.tile_n // 8
+        chunks = cfg.tile_m * chunks_row
+        vec_ok = N % 8 == 0
+        for i in cutlass.range_constexpr((chunks + self.threads - 1) // self.threads):
+            q = tidx + i * self.threads
+            if chunks % self.threads == 0 or q < chunks:
+                row, cc = q // chunks_row, q % chunks_row
+                gm, gn = m0 + row, n0 + cc * 8
+                src = cute.local_tile(sC[row, None], (8,), (cc,))
+                if gm < M:
+                    if vec_ok and gn + 8 <= N:
+                        off = cute.assume(gm * N + gn, divby=8)
+                        cute.autovec_copy(src, cute.make_tensor(pOut + off, cute.make_layout(8)))
+                    else:
+                        for e in cutlass.range_constexpr(8):
+                            if gn + e < N:
+                                mOut[gm, gn + e] = src[e]
+
+
+def gemm_spec(k: int, dtype: str, config: GemmConfig):
+    """The compiled variant of ``GemmKernel`` for bits ``k``, dtype name and tiling."""
+    from ..compile import KernelSpec, fake_ptr, fake_stream
+
+    def build():
+        dt = _DTYPES[dtype]
+        args = (
+            fake_ptr(dt), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Uint8),
+            fake_ptr(cutlass.Float32, 4), fake_ptr(cutlass.Float32, 4), fake_ptr(dt, 2),
+            fake_ptr(dt), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int32, 4),
+            Int32(5), Int32(128), Int32(64), Int32(1), Int32(0), Int32(0), fake_stream(),
+        )  # fmt: skip
+        return GemmKernel(k, dtype, config), args
+
+    return KernelSpec(f"gemm_k{k}_{dtype}_{config.name}", build, expect=("HMMA", "LDGSTS", "LDSM"))
+
+
+def table_specs() -> list:
+    """The variants the dispatch table uses, fp16 and bf16 (compiled and gated in CI)."""
+    from . import gemm_table
+
+    out = []
+    for k in (2, 3, 4, 5):
+        names = dict.fromkeys(row[1] for row in gemm_table.RULES[k])
+        out += [gemm_spec(k, dt, GemmConfig.parse(n)) for n in names for dt in _DTYPES]
+    return out

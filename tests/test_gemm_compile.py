@@ -1,0 +1,236 @@
+"""The mma.sync GEMM without a GPU: its index tricks on host ints, the MMA layouts it relies
+on, extra tile configs compiling, the dispatch table logic and bad-input errors.
+(The table's variants are compiled and gated for sm_90a and sm_80 by test_inspect.)"""
+
+import math
+import os
+
+import cutlass
+import cutlass.cute as cute
+import pytest
+import torch
+
+from kbit_cute import format as fmt
+from kbit_cute import gemm_dispatch as gd
+from kbit_cute.kernels import gemm as g
+from kbit_cute.kernels import gemm_table
+from kbit_cute.layouts import layout_offsets
+
+KS = (2, 3, 4, 5)
+
+
+@pytest.mark.parametrize("k", KS)
+def test_pair_offsets_address_each_threads_pairs(k, gen):
+    """Every lane quad position t gets table byte offsets whose interleaved index decodes to
+    the codebook indices of its elements (8c + 2t, 8c + 2t + 1)."""
+    idx = torch.randint(0, 1 << k, (64, 32), generator=gen, dtype=torch.uint8)
+    packed = fmt.pack_bitplanes(idx, k).view(64, k)
+    for blk in range(64):
+        planes = [int(w) & 0xFFFFFFFF for w in packed[blk].tolist()]
+        for t in range(4):
+            offsets = g.pair_offsets(planes, t, k)
+            for c, off in enumerate(offsets):
+                assert off % 4 == 0 and 0 <= off < 4 << (2 * k)
+                i0, i1 = g.pair_table_index(off // 4, k)
+                assert (i0, i1) == (idx[blk, 8 * c + 2 * t], idx[blk, 8 * c + 2 * t + 1])
+
+
+@pytest.mark.parametrize("k", KS)
+def test_pair_table_index_is_a_bijection(k):
+    pairs = {g.pair_table_index(p, k) for p in range(1 << (2 * k))}
+    assert pairs == {(a, b) for a in range(1 << k) for b in range(1 << k)}
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_absmax_register_trick_is_exact(dtype):
+    """code * MAGIC read as a 16-bit float, times the table's factor, is decode_e4m4(code),
+    subnormal codes and code 0 included, in both halves."""
+    code = torch.arange(256, dtype=torch.int64)
+    word = (code * g._ABSMAX_MAGIC[dtype]) & 0xFFFFFFFF
+    assert torch.equal(word >> 16, word & 0xFFFF)
+    half = (word & 0xFFFF).to(torch.int16).view(torch.float16 if dtype == "f16" else torch.bfloat16)
+    value = half.to(torch.float64) * g._CODEBOOK_FACTOR[dtype]
+    assert torch.equal(value, fmt.decode_e4m4(code.to(torch.uint8)).to(torch.float64))
+
+
+@pytest.mark.parametrize("warps", [(1, 4), (1, 8), (2, 4), (2, 8)])
+def test_b_fragment_layout_is_what_the_dequant_assumes(warps):
+    """The dequant gives thread tid (lane = g*4 + t) column 8*wn + g of each n8 rep and K
+    pairs (2t, 2t+1) + 8 v1 of each k16 step: check it against the tiled MMA's B layout."""
+    wm, wn = warps
+
+    def make():
+        op = cute.nvgpu.warp.MmaF16BF16Op(cutlass.Float16, cutlass.Float32, (16, 8, 16))
+        return cute.make_tiled_mma(op, cute.make_layout((wm, wn, 1))).tv_layout_B_tiled
+
+    _, offsets = layout_offsets(make)
+    threads, n_tile = 32 * wm * wn, 8 * wn
+    for tid in range(threads):
+        lane, warp_n = tid % 32, (tid // 32) // wm
+        for v in range(4):
+            off = offsets[tid + threads * v]
+            n, kk = off % n_tile, off // n_tile
+            assert (n, kk) == (8 * warp_n + lane // 4, 2 * (lane % 4) + (v & 1) + 8 * (v >> 1))
+
+
+@pytest.mark.parametrize("name", ["m16n128k64s4w1x4", "m128n128k128s3w1x8", "m32n256k128s3w1x8"])
+def test_a_copy_offsets_follow_the_swizzled_layout(name):
+    """The A copy adds static offsets to one swizzled offset per thread: passes advance
+    whole 8-row atoms, an 8-element chunk is contiguous, stages are tile_m*tile_k apart."""
+    cfg = g.GemmConfig.parse(name)
+    kern = g.GemmKernel(4, "f16", cfg)
+    shape, offs = layout_offsets(kern.a_smem_layout)
+    tm, tk, st = (math.prod(_flat(mode)) for mode in shape)  # modes may be hierarchical
+    assert (tm, tk, st) == (cfg.tile_m, cfg.tile_k, cfg.stages)
+    assert sorted(offs) == list(range(tm * tk * st))
+
+    def at(r, c, s):
+        return offs[r + tm * (c + tk * s)]
+
+    rows_pass, chunks_row = kern.a_rows_per_pass(), cfg.tile_k // 8
+    for tid in range(cfg.threads):
+        row0, kc = tid // chunks_row, tid % chunks_row
+        for i in range(kern.a_passes()):
+            row = row0 + i * rows_pass
+            if row >= tm:
+                continue
+            for s in range(st):
+                base = at(min(row0, tm - 1), kc * 8, 0) + s * tm * tk + i * rows_pass * 64
+                assert [at(row, kc * 8 + e, s) for e in range(8)] == [base + e for e in range(8)]
+
+
+def _flat(mode):
+    return [x for m in mode for x in _flat(m)] if isinstance(mode, tuple) else [mode]
+
+
+@pytest.mark.parametrize(
+    "k,dtype,name", [(3, "bf16", "m16n256k128s4w1x8"), (5, "f16", "m128n128k64s3w2x4")]
+)
+def test_other_tile_configs_compile(k, dtype, name):
+    """TILE_N = 256, TILE_K = 128 and warps_m = 2 (not in the provisional table) compile."""
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    fn, args = g.gemm_spec(k, dtype, g.GemmConfig.parse(name)).build()
+    assert cute.compile(fn, *args) is not None
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_config_names_round_trip_and_bad_configs_are_named():
+    cfg = g.GemmConfig(64, 256, 128, 3, 1, 8)
+    assert g.GemmConfig.parse(cfg.name) == cfg
+    with pytest.raises(ValueError, match="not a GEMM config"):
+        g.GemmConfig.parse("m64n256")
+    with pytest.raises(ValueError, match="tile_n"):
+        g.GemmKernel(4, "f16", g.GemmConfig(tile_n=192))
+    with pytest.raises(ValueError, match="k must be"):
+        g.GemmKernel(6, "f16", g.GemmConfig())
+    with pytest.raises(ValueError, match="dtype"):
+        g.GemmKernel(4, "f32", g.GemmConfig())
+    assert not g.GemmKernel.can_implement(5, "f16", g.GemmConfig(128, 256, 128, 5, 1, 8))
+    assert g.GemmKernel.can_implement(5, "f16", g.GemmConfig())
+
+
+# ----------------------------------------------------------------------------- table
+
+
+def test_table_rows_are_valid_and_cover_every_m():
+    for k in KS:
+        rows = gemm_table.RULES[k]
+        assert [r[0] for r in rows] == sorted(r[0] for r in rows) and rows[-1][0] >= 1 << 20
+        for _m_max, name, ctas_per_sm, max_splits in rows:
+            cfg = g.GemmConfig.parse(name)
+            assert g.GemmKernel.can_implement(k, "f16", cfg, smem_limit=163 * 1024), name
+            assert ctas_per_sm >= 1 and max_splits >= 1
+        for M in (5, 16, 17, 100, 4096, 1 << 20):
+            assert gd.table_rule(k, M)[0] in [r[1] for r in rows]
+
+
+def test_splits_fill_the_sms_within_the_limits():
+    cfg = g.GemmConfig.parse("m16n128k64s4w1x4")
+    # 8192 x 28672, M = 16: 224 tiles already give 1.7 CTAs per SM.
+    assert gd.choose_splits(16, 28672, 8192, cfg, 132, 1, 16) == 1
+    # 2048 x 512 at M = 16: 4 tiles; 4 CTAs/SM wants 132 splits, capped by max and K.
+    assert gd.choose_splits(16, 512, 2048, cfg, 132, 4, 16) == 16
+    assert gd.choose_splits(16, 512, 2048, cfg, 132, 4, 64) == 2048 // 64 // 2
+    # 14336 x 4096: 32 tiles x 5 splits >= 132 SMs.
+    assert gd.choose_splits(16, 4096, 14336, cfg, 132, 1, 16) == 5
+    assert gd.choose_splits(5, 128, 32, cfg, 132, 4, 16) == 1  # one K slice: no split
+
+
+def test_plan_and_cublas_threshold():
+    for k in KS:
+        cfg, splits = gd.plan(17, 5120, 2048, k, 132)
+        assert cfg.tile_m >= 16 and splits >= 1
+        assert cfg in gd.table_configs(k)
+        m0 = gemm_table.CUBLAS_FROM_M[k]
+        assert gd.prefer_cublas(8, k) is False
+        assert gd.prefer_cublas(1 << 30, k) is (m0 is not None)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.fixture(scope="module")
+def cpu_weight():
+    return fmt.quantize(torch.randn(96, 64), 4)
+
+
+def _call(A, qw, bias=None, out=None, **kw):
+    if out is None:
+        out = torch.empty(A.shape[0] if A.ndim else 1, qw.N, dtype=A.dtype)
+    return gd.gemm_mma(A, qw, bias, out, **kw)
+
+
+def test_bad_inputs_raise_clear_errors(cpu_weight):
+    qw = cpu_weight
+    A = torch.randn(8, 64, dtype=torch.float16)
+    with pytest.raises(TypeError, match="KbitWeight"):
+        gd.gemm_mma(A, "not a weight", None, torch.empty(8, 96))
+    with pytest.raises(ValueError, match=r"\[M, K=64\]"):
+        _call(torch.randn(8, 32, dtype=torch.float16), qw)
+    with pytest.raises(ValueError, match=r"\[M, K=64\]"):
+        _call(torch.randn(2, 4, 64, dtype=torch.float16), qw, out=torch.empty(8, 96))
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        _call(torch.randn(8, 64), qw)
+    with pytest.raises(ValueError, match="out must be"):
+        _call(A, qw, out=torch.empty(8, 95, dtype=torch.float16))
+    with pytest.raises(ValueError, match="out must be"):
+        _call(A, qw, out=torch.empty(8, 96, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bias must be"):
+        _call(A, qw, bias=torch.zeros(95, dtype=torch.float16))
+    with pytest.raises(ValueError, match="bias must be"):
+        _call(A, qw, bias=torch.zeros(96))
+    with pytest.raises(ValueError, match="CUDA"):
+        _call(A, qw)
+
+
+def test_benchmark_writes_a_loadable_table(tmp_path):
+    """perf.bench_gemm's table writer, fed synthetic timings: the fastest candidate per
+    bucket wins, cuBLAS takes over where it was faster at every larger M."""
+    import importlib.util
+
+    from perf import bench_gemm as bg
+
+    recs = []
+    for K, N in bg.SHAPES[:2]:
+        for m_max, Ms, names in bg.BUCKETS:
+            for M in Ms:
+                base = dict(K=K, N=N, k=3, M=M, m_max=m_max)
+                recs.append(dict(base, impl="dequant_cublas", us=50.0 if M >= 1024 else 1e9))
+                for i, name in enumerate(names):
+                    for ctas in bg.CTAS_PER_SM:
+                        us = 100.0 + 10 * i + (0 if ctas == 2 else 1)
+                        recs.append(dict(base, impl="kernel", config=name, ctas_per_sm=ctas,
+                                         splits=1, us=us))  # fmt: skip
+    rules, cublas_from = bg.table_from(recs)
+    assert cublas_from == {3: 1024}
+    assert [r[1:3] for r in rules[3]] == [(names[0], 2) for _, _, names in bg.BUCKETS]
+    path = tmp_path / "table.py"
+    bg.write_table(rules, cublas_from, "Test GPU", "python -m perf.bench_gemm --test", path)
+    spec = importlib.util.spec_from_file_location("t", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.RULES[3] == rules[3] and mod.CUBLAS_FROM_M[3] == 1024
+    assert mod.PROVISIONAL is True  # the other k kept their provisional rows
+    assert mod.MEASURED_ON == "Test GPU" and set(mod.RULES) == {2, 3, 4, 5}

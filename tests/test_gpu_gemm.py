@@ -1,0 +1,204 @@
+"""mma.sync GEMM (M >= 5) on the GPU against the float32 reference of the dequantized weight."""
+
+import os
+
+import pytest
+import torch
+
+import kbit_cute
+from kbit_cute import gemm_dispatch as gd
+from kbit_cute.kernels import gemm_table
+
+pytestmark = pytest.mark.gpu
+KS = (2, 3, 4, 5)
+MS = (5, 8, 16, 17, 32, 64, 100, 256, 1024, 4096)
+DTYPES = (torch.float16, torch.bfloat16)
+SHAPES = [  # (K, N)
+    (2048, 512),
+    (512, 2048),
+    (2048, 5120),
+    (5120, 2048),
+    (4096, 2048),
+    (2048, 4096),
+    (1056, 1000),
+]
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+# Tilings outside the provisional table, so every TILE_M / TILE_N / TILE_K / warps_m runs.
+EXTRA_CONFIGS = ["m16n256k128s4w1x8", "m64n256k64s3w1x8", "m128n128k128s3w1x8", "m128n128k64s3w2x4"]
+
+
+def rel_err(got, ref):
+    return ((got.float() - ref).norm() / ref.norm()).item()
+
+
+def reference(A, qw, bias=None):
+    r = A.float() @ kbit_cute.dequantize(qw, torch.float32).T
+    return r if bias is None else r + bias.float()
+
+
+def run(A, qw, bias=None, **kw):
+    """gemm_mma into a NaN-poisoned output; every element must be written."""
+    out = torch.full((A.shape[0], qw.N), float("nan"), device="cuda", dtype=A.dtype)
+    got = gd.gemm_mma(A, qw, bias, out, **kw)
+    assert got.data_ptr() == out.data_ptr()
+    assert not torch.isnan(out).any(), "an output element was not written"
+    return out
+
+
+class _Weights:
+    """Quantized weights per (K, N, k), made on first use, fresh random data each session."""
+
+    def __init__(self):
+        seed = int.from_bytes(os.urandom(4), "little")
+        print(f"weights seed={seed}")
+        self.gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.cache = {}
+
+    def __call__(self, K, N, k):
+        if (K, N, k) not in self.cache:
+            W = torch.randn(N, K, device="cuda", generator=self.gen) * 0.05
+            self.cache[(K, N, k)] = kbit_cute.quantize(W, k)
+        return self.cache[(K, N, k)]
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return _Weights()
+
+
+@pytest.mark.parametrize("M", MS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", KS)
+def test_matches_reference(k, dtype, M, weights):
+    """Every k x dtype x M with the table's tiling and splits; the shapes rotate so each
+    M meets several of them (test_every_shape covers each shape for each k)."""
+    K, N = SHAPES[(MS.index(M) + 3 * KS.index(k) + DTYPES.index(dtype)) % len(SHAPES)]
+    qw = weights(K, N, k)
+    A = torch.randn(M, K, device="cuda", dtype=dtype)
+    assert rel_err(run(A, qw), reference(A, qw)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("K,N", SHAPES)
+@pytest.mark.parametrize("k", KS)
+def test_every_shape(k, K, N, weights):
+    qw = weights(K, N, k)
+    for M, dtype in ((17, torch.float16), (100, torch.bfloat16)):
+        A = torch.randn(M, K, device="cuda", dtype=dtype)
+        assert rel_err(run(A, qw), reference(A, qw)) < TOL[dtype], (M, dtype)
+
+
+@pytest.mark.parametrize(
+    "name", sorted({c.name for k in KS for c in gd.table_configs(k)}) + EXTRA_CONFIGS
+)
+def test_every_tile_config(name, weights):
+    """Each tiling on an odd shape (partial tiles in M, N and K), with and without split-K."""
+    K, N, k = 1056, 1000, 3
+    qw = weights(K, N, k)
+    A = torch.randn(100, K, device="cuda", dtype=torch.float16)
+    ref = reference(A, qw)
+    for splits in (1, 3):
+        got = run(A, qw, config=name, splits=splits, deterministic=splits == 3)
+        assert rel_err(got, ref) < TOL[torch.float16], splits
+
+
+@pytest.mark.parametrize("splits", [2, 5, 16])
+def test_split_k_deterministic_mode_is_bit_identical(splits, weights):
+    K, N, k = 5120, 2048, 4
+    qw = weights(K, N, k)
+    A = torch.randn(24, K, device="cuda", dtype=torch.bfloat16)
+    first = run(A, qw, splits=splits, deterministic=True)
+    assert rel_err(first, reference(A, qw)) < TOL[torch.bfloat16]
+    for _ in range(5):
+        assert torch.equal(run(A, qw, splits=splits, deterministic=True), first)
+    atomic = run(A, qw, splits=splits, deterministic=False)
+    assert rel_err(atomic, reference(A, qw)) < TOL[torch.bfloat16]
+
+
+def test_workspace_and_counters_survive_changing_shapes(weights):
+    """Counters and the atomic sums buffer are left at zero by every call: calls of other
+    shapes, splits and modes in between do not change a result."""
+    cases = [
+        (2048, 512, 2, 16, 8, True), (5120, 2048, 5, 100, 3, False),
+        (1056, 1000, 3, 5, 16, False), (2048, 4096, 4, 33, 4, True),
+        (512, 2048, 4, 64, 2, False),
+    ]  # fmt: skip
+    inputs = {c: torch.randn(c[3], c[0], device="cuda", dtype=torch.float16) for c in cases}
+
+    def call(c):
+        K, N, k, M, splits, det = c
+        return run(inputs[c], weights(K, N, k), splits=splits, deterministic=det)
+
+    fresh = {c: call(c) for c in cases}
+    for c in cases:
+        assert rel_err(fresh[c], reference(inputs[c], weights(*c[:3]))) < TOL[torch.float16]
+    for _ in range(3):
+        for c in cases[::-1] + cases:
+            if c[5]:  # deterministic: bit-identical
+                assert torch.equal(call(c), fresh[c]), c
+            else:
+                assert rel_err(call(c), fresh[c].float()) < 1e-3, c
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bias_and_unaligned_tensors(dtype, weights):
+    K, N, k = 2048, 4096, 4
+    qw = weights(K, N, k)
+    bias = torch.randn(N, device="cuda", dtype=dtype)
+    buf = torch.randn(40 * K + 8, device="cuda", dtype=dtype)
+    A = buf[1 : 1 + 40 * K].view(40, K)  # starts 2 bytes past a 16-byte boundary
+    obuf = torch.full((40 * N + 8,), float("nan"), device="cuda", dtype=dtype)
+    out = obuf[3 : 3 + 40 * N].view(40, N)
+    got = gd.gemm_mma(A, qw, bias, out)
+    assert got.data_ptr() == out.data_ptr() and not torch.isnan(out).any()
+    assert rel_err(out, reference(A, qw, bias)) < TOL[dtype]
+    At = torch.randn(K, 40, device="cuda", dtype=dtype).T  # non-contiguous
+    assert rel_err(run(At, qw, bias), reference(At, qw, bias)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_and_subnormal_absmax_blocks(dtype):
+    """Blocks of zeros (absmax code 0) give exactly 0; blocks 1e4 x smaller than the tensor's
+    largest get E4M4 subnormal codes (e = 0), decoded exactly by the register trick."""
+    K, N = 1024, 384
+    W = torch.randn(N, K, device="cuda")
+    W[:128] = 0
+    W[128:256] *= 1e-4
+    qw = kbit_cute.quantize(W, 4)
+    assert ((qw.absmax > 0) & (qw.absmax < 16)).sum() > 1000, "expected subnormal E4M4 codes"
+    A = torch.randn(37, K, device="cuda", dtype=dtype)
+    got = run(A, qw)
+    ref = reference(A, qw)
+    assert torch.equal(got[:, :128], torch.zeros_like(got[:, :128]))
+    assert rel_err(got[:, 128:256], ref[:, 128:256]) < TOL[dtype]
+    assert rel_err(got[:, 256:], ref[:, 256:]) < TOL[dtype]
+
+
+def test_under_cuda_graph(weights):
+    K, N, k = 2048, 5120, 4
+    qw = weights(K, N, k)
+    A = torch.randn(48, K, device="cuda", dtype=torch.float16)
+    out = torch.empty(48, N, device="cuda", dtype=torch.float16)
+    gd.gemm_mma(A, qw, None, out, splits=4)  # warm: compile, workspace
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gd.gemm_mma(A, qw, None, out, splits=4)
+    for _ in range(3):
+        A.copy_(torch.randn_like(A))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, reference(A, qw)) < TOL[torch.float16]
+
+
+def test_kbit_cute_gemm_for_m_above_4(weights):
+    """The public entry point for M > 4 (whichever path it dispatches to)."""
+    qw = weights(1056, 1000, 5)
+    A = torch.randn(3, 13, 1056, device="cuda", dtype=torch.bfloat16)
+    got = kbit_cute.gemm(A, qw)
+    assert got.shape == (3, 13, 1000)
+    assert rel_err(got.view(39, 1000), reference(A.view(39, 1056), qw)) < TOL[torch.bfloat16]
+
+
+def test_table_is_labelled():
+    """A provisional table says so; a measured one names the GPU and the command."""
+    assert gemm_table.PROVISIONAL or (gemm_table.MEASURED_ON and gemm_table.COMMAND)
