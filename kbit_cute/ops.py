@@ -412,10 +412,19 @@ def _gemv(A, qw: KbitWeight, bias, out, M: int, splits: int | None = None):
 
 
 def _gemm_large_m(A, packed, absmax, codebook, scale, k, N, K, bias, out):
-    """M > 4. Until the mma.sync GEMM kernel lands (kernels/gemm.py): dequantize to A's dtype
-    and call cuBLAS. The GEMM's launch goes here, behind its own ``can_implement``."""
-    W = _dequantize_impl(packed, absmax, codebook, scale, k, N, K, A.dtype)
-    return out.copy_(torch.nn.functional.linear(A, W, bias))
+    """M > 4: the mma.sync GEMM (deterministic split-K), or from the measured crossover
+    (``gemm_table.CUBLAS_FROM_M``) dequantize to A's dtype and call cuBLAS."""
+    from . import gemm_dispatch
+
+    M = A.numel() // K
+    if gemm_dispatch.prefer_cublas(M, k):
+        W = _dequantize_impl(packed, absmax, codebook, scale, k, N, K, A.dtype)
+        return out.copy_(torch.nn.functional.linear(A, W, bias))
+    gemm_dispatch.launch(
+        A.reshape(M, K), packed, absmax, codebook, scale, k, N, K, bias, out.view(M, N),
+        deterministic=True,
+    )  # fmt: skip
+    return out
 
 
 @torch.library.custom_op("kbit_cute::gemm", mutates_args=())

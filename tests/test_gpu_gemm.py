@@ -190,13 +190,15 @@ def test_under_cuda_graph(weights):
         assert rel_err(out, reference(A, qw)) < TOL[torch.float16]
 
 
-def test_kbit_cute_gemm_for_m_above_4(weights):
-    """The public entry point for M > 4 (whichever path it dispatches to)."""
+@pytest.mark.parametrize("lead", [(1, 5), (3, 13), (2, 150)])  # M = 5, 39 (kernel), 300 (cuBLAS)
+def test_kbit_cute_gemm_for_m_above_4(lead, weights):
+    """The public entry point for M > 4, on both sides of the dispatch crossover."""
     qw = weights(1056, 1000, 5)
-    A = torch.randn(3, 13, 1056, device="cuda", dtype=torch.bfloat16)
+    A = torch.randn(*lead, 1056, device="cuda", dtype=torch.bfloat16)
+    M = lead[0] * lead[1]
     got = kbit_cute.gemm(A, qw)
-    assert got.shape == (3, 13, 1000)
-    assert rel_err(got.view(39, 1000), reference(A.view(39, 1056), qw)) < TOL[torch.bfloat16]
+    assert got.shape == (*lead, 1000)
+    assert rel_err(got.view(M, 1000), reference(A.view(M, 1056), qw)) < TOL[torch.bfloat16]
 
 
 def test_table_is_labelled():

@@ -22,6 +22,8 @@ _M64 = (64, "m64n128k64s3w1x4", 2, 8)
 _LARGE = (1 << 31, "m128n128k64s3w1x8", 1, 4)
 
 RULES = {k: [_SMALL, _M32, _M64, _LARGE] for k in (2, 3, 4, 5)}
-# A guess until measured: at M >= 2048 the GEMM is compute-bound and cuBLAS's sm_90 kernels
-# (wgmma) outrun mma.sync by more than the dequantize costs.
-CUBLAS_FROM_M = {2: 2048, 3: 2048, 4: 2048, 5: 2048}
+# Measured on the H100 for k = 4 (``python -m perf.bench_gemm --k 4``, 2026-11-22, five shapes):
+# from M = 256 dequantize + cuBLAS beat the kernel on every shape (8192x28672: 458 vs 609 us);
+# at M = 128 the kernel won on 8192x28672 (310 vs 437 us) and lost on 2048x10240 / 10240x2048
+# (61 vs 44 us, 59 vs 50 us). k = 2, 3, 5 reuse the k = 4 crossover until tuned.
+CUBLAS_FROM_M = {2: 256, 3: 256, 4: 256, 5: 256}
