@@ -13,9 +13,9 @@ gemm.json / decode.json (environment and every number), gemm.md / decode.md (tab
 plots; the tables are also printed (the per-model summary last).
 
 Time budget: with no --model/--shape, ``gemm`` sweeps llama3-70b and qwen3-coder-next over
-the default M and k (9 shapes x 8 implementations x 11 M); perf/gemm.py's cost model puts it
-at ~3-5 min on an H100 (printed at the start of each run), and ``--budget-s`` (default
-450 s) records whatever is left as skipped, so the run always ends within ~8 min and reports.
+the default M and k (9 shapes x 8 implementations x 6 M): 443 s measured on the H100, and
+``--budget-s`` (default 450 s) records whatever is left as skipped, so the run always ends
+within ~8 min and reports. (The cost model printed at the start underestimates: ~100 s.)
 
 ``--cpu-smoke`` runs the whole pipeline (sweep, peers, JSON, tables, plots; decode with
 toy-sized models) on the CPU with host-clock timing stubs. Its numbers are meaningless; it
