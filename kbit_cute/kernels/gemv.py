@@ -59,9 +59,10 @@ COLS_PER_GROUP = WARP_COLS * WARPS  # one repack tile
 THREAD_K = BLOCK // 2  # a thread's K run per tile: half of one block
 E4M4_CODES = 256
 # Register buffers per warp: a warp has stages - 1 K tiles (256 k bytes each) in flight
-# while it works on one. Fewer bits per weight need more tiles in flight to cover the
-# DRAM latency; more bits need more registers per tile.
-STAGES = {2: 4, 3: 3, 4: 3, 5: 2}
+# while it works on one. Measured on the H100 (perf/gemv_kernel_check.py --stages 2 3 4,
+# 3 shapes, M = 1 and 4): k = 2, 3 are best with 3; k = 4, 5 with 2 (a deeper ring costs
+# registers, hence warps per SM, and was up to 20% slower).
+STAGES = {2: 3, 3: 3, 4: 2, 5: 2}
 
 
 class GemvKernel:
