@@ -12,6 +12,7 @@ import torch
 
 from kbit_cute import format as fmt
 from kbit_cute import gemm_dispatch as gd
+from kbit_cute.kernels import device_helpers as dh
 from kbit_cute.kernels import gemm as g
 from kbit_cute.kernels import gemm_table
 from kbit_cute.layouts import layout_offsets
@@ -28,16 +29,16 @@ def test_pair_offsets_address_each_threads_pairs(k, gen):
     for blk in range(64):
         planes = [int(w) & 0xFFFFFFFF for w in packed[blk].tolist()]
         for t in range(4):
-            offsets = g.pair_offsets(planes, t, k)
+            offsets = dh.pair_offsets(planes, t, k)
             for c, off in enumerate(offsets):
                 assert off % 4 == 0 and 0 <= off < 4 << (2 * k)
-                i0, i1 = g.pair_table_index(off // 4, k)
+                i0, i1 = dh.pair_table_index(off // 4, k)
                 assert (i0, i1) == (idx[blk, 8 * c + 2 * t], idx[blk, 8 * c + 2 * t + 1])
 
 
 @pytest.mark.parametrize("k", KS)
 def test_pair_table_index_is_a_bijection(k):
-    pairs = {g.pair_table_index(p, k) for p in range(1 << (2 * k))}
+    pairs = {dh.pair_table_index(p, k) for p in range(1 << (2 * k))}
     assert pairs == {(a, b) for a in range(1 << k) for b in range(1 << k)}
 
 
@@ -46,10 +47,10 @@ def test_absmax_register_trick_is_exact(dtype):
     """code * MAGIC read as a 16-bit float, times the table's factor, is decode_e4m4(code),
     subnormal codes and code 0 included, in both halves."""
     code = torch.arange(256, dtype=torch.int64)
-    word = (code * g._ABSMAX_MAGIC[dtype]) & 0xFFFFFFFF
+    word = (code * dh.ABSMAX_MAGIC[dtype]) & 0xFFFFFFFF
     assert torch.equal(word >> 16, word & 0xFFFF)
     half = (word & 0xFFFF).to(torch.int16).view(torch.float16 if dtype == "f16" else torch.bfloat16)
-    value = half.to(torch.float64) * g._CODEBOOK_FACTOR[dtype]
+    value = half.to(torch.float64) * dh.CODEBOOK_FACTOR[dtype]
     assert torch.equal(value, fmt.decode_e4m4(code.to(torch.uint8)).to(torch.float64))
 
 

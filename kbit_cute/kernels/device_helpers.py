@@ -227,3 +227,106 @@ def e4m4_x2(code: Int32, dtype: cutlass.Constexpr) -> Uint32:
     """E4M4 byte -> its value in both halves of an fp16x2 / bf16x2 register (exact)."""
     v = decode_e4m4(code)
     return pack_x2(v, v, dtype)
+
+
+# ----------------------------------------------------------------------------- pair tables
+#
+# The GEMM's B dequantization: a thread's 8 weights of a block as 4 byte offsets into a
+# shared-memory table of 2^(2k) codebook pairs (one LDS per mma register), and the E4M4
+# absmax as an fp16x2/bf16x2 register in one IMAD.
+
+
+@cute.jit
+def rotr(x: Uint32, n: Int32) -> Uint32:
+    """Rotate right by n (mod 32): one funnel shift (SHF.R.W)."""
+    v = Uint32(x).ir_value()
+    return Uint32(llvm.intr_fshr(v, v, Uint32(n).ir_value()))
+
+
+# E4M4 (bias 11) is an IEEE-style minifloat: placed in the top bits of a wider float's
+# exponent/mantissa field it reads as the true value times a power of two, normal and
+# subnormal codes alike (fp16: code << 6 is 2^-4 x value; bf16: code << 3 is 2^-116 x
+# value). Multiplying the code by MAGIC puts it in both halves at once; the codebook table
+# carries the inverse factor, so codebook x absmax comes out exact-scaled with one HFMA2.
+ABSMAX_MAGIC = {"f16": (1 << 6) | (1 << 22), "bf16": (1 << 3) | (1 << 19)}
+CODEBOOK_FACTOR = {"f16": 2.0**4, "bf16": 2.0**116}
+
+
+def absmax_x2(code: Uint32, dtype_name: str) -> Uint32:
+    """E4M4 byte (0..255, already zero-extended) -> both halves of an fp16x2 / bf16x2
+    register holding its value / ``CODEBOOK_FACTOR`` (bit-exact, subnormal codes too):
+    one IMAD, where decoding through fp32 takes about six instructions."""
+    return Uint32(code) * Uint32(ABSMAX_MAGIC[dtype_name])
+
+
+def pair_table_index(p: int, k: int) -> tuple[int, int]:
+    """Pair index -> (i0, i1): bit 2b of p is bit b of i0, bit 2b+1 is bit b of i1."""
+    i0 = sum(((p >> (2 * b)) & 1) << b for b in range(k))
+    i1 = sum(((p >> (2 * b + 1)) & 1) << b for b in range(k))
+    return i0, i1
+
+
+# A thread with t = lane % 4 owns the element pairs (8c + 2t, 8c + 2t + 1), c = 0..3, of a
+# block: in plane b they are bits 8c + 2t (+1). Rotating plane b right by 2t - 2 - 2b puts
+# them at 8c + 2 + 2b: for b <= 2 inside byte c ("lo" word, bits 2..7), for b >= 3 at bits
+# 2b - 6 of byte c + 1 ("hi" word). One PRMT then assembles pair c's table byte offset
+# 4 * p (p = the 2k-bit interleaved pair index) from lo byte c (bits 0..7) and hi byte c + 1
+# (bits 8..11); the upper bytes replicate the sign of a hi byte, whose bit 7 is always 0.
+_PAIR_MASK = 0x03030303
+
+
+def pair_rotation(t, b: int):
+    """Right-rotation of plane b for lane quad position t (an int or a traced Int32)."""
+    return (t * 2 + (32 - 2 - 2 * b)) & 31
+
+
+def pair_mask(b: int) -> int:
+    return _PAIR_MASK << (2 + 2 * b) if b <= 2 else _PAIR_MASK << (2 * b - 6)
+
+
+def pair_offset_selector(c: int) -> int:
+    """PRMT selector: byte 0 <- lo byte c, byte 1 <- hi byte c+1, bytes 2, 3 <- sign of hi
+    byte 0 (always 0: hi bytes use bits 0..3 at most)."""
+    return c | ((4 + (c + 1) % 4) << 4) | (0xC << 8) | (0xC << 12)
+
+
+def pair_offsets(planes: list, t, k: int) -> list:
+    """k plane words of a block -> this thread's 4 pair-table byte offsets (pair order c).
+
+    2k + 4 instructions for 8 weights: k rotates, k LOP3 and 4 PRMT. ``planes`` are traced
+    Uint32 values, or Python ints with ``t`` an int (host tests run this same code).
+    """
+    host = isinstance(t, int)
+    lo = hi = None
+    for b in range(k):
+        if host:
+            term = _rotr_host(planes[b], pair_rotation(t, b)) & pair_mask(b)
+        else:
+            term = rotr(Uint32(planes[b]), pair_rotation(t, b)) & Uint32(pair_mask(b))
+        if b <= 2:
+            lo = term if lo is None else lo | term
+        else:
+            hi = term if hi is None else hi | term
+    if hi is None:
+        hi = 0 if host else Uint32(0)
+    if host:
+        return [_prmt_host(lo, hi, pair_offset_selector(c)) for c in range(4)]
+    return [prmt(lo, hi, pair_offset_selector(c)) for c in range(4)]
+
+
+def _rotr_host(x: int, n: int) -> int:
+    x &= 0xFFFFFFFF
+    return ((x >> n) | (x << (32 - n))) & 0xFFFFFFFF if n else x
+
+
+def _prmt_host(a: int, b: int, sel: int) -> int:
+    """prmt.b32 (default mode) on host ints."""
+    src = (a & 0xFFFFFFFF) | ((b & 0xFFFFFFFF) << 32)
+    out = 0
+    for i in range(4):
+        nib = (sel >> (4 * i)) & 0xF
+        byte = (src >> (8 * (nib & 7))) & 0xFF
+        if nib & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return out
