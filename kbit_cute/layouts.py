@@ -93,3 +93,77 @@ def layout_string(make: Callable[[], cute.Layout]) -> str:
 
 def _to_ints(t):
     return tuple(_to_ints(x) for x in t) if isinstance(t, tuple) else int(t)
+
+
+# --------------------------------------------------------------------------- kernels' layouts
+
+KERNEL_KINDS = ("gemv", "gemm", "moe")
+
+
+def kernel_layouts(kind: str, k: int, config: str | None = None) -> dict[str, Callable[[], object]]:
+    """The layouts kernel ``kind`` uses for ``k`` bits, for ``python -m layouts kernel``.
+
+    Name -> zero-argument maker, called inside a trace (see ``layouts/kernel.py``):
+    ``*_tv`` makers return ``(tile_mn, layout_tv)``, ``*_smem`` makers
+    ``(layout, elem_bytes, vec)``, others a plain layout. Every maker calls the function
+    the kernel itself builds the object with, so the pictures cannot drift from the code.
+    gemm uses ``config`` (a ``GemmConfig`` name), default the dispatch table's first
+    (smallest-M) config for ``k``.
+    """
+    if kind not in KERNEL_KINDS:
+        raise ValueError(f"kernel kind must be one of {KERNEL_KINDS}, got {kind!r}")
+    if k not in (2, 3, 4, 5):
+        raise ValueError(f"k must be 2..5, got {k}")
+    if kind == "moe":
+        raise NotImplementedError("MoE kernels do not exist yet: no layouts to draw")
+    if kind == "gemv":
+        if config is not None:
+            raise ValueError("the gemv kernel has no configs; drop --config")
+        return _gemv_layouts(k)
+    return _gemm_layouts(k, config)
+
+
+def _mma_tv(tiled_mma) -> dict[str, Callable[[], object]]:
+    """A/B/C thread-value layouts of a tiled MMA over its tiles (M x K, N x K, M x N)."""
+
+    def tile(a: int, b: int) -> tuple[int, int]:
+        return int(tiled_mma().get_tile_size(a)), int(tiled_mma().get_tile_size(b))
+
+    return {
+        "mma_a_tv": lambda: (tile(0, 2), tiled_mma().tv_layout_A_tiled),
+        "mma_b_tv": lambda: (tile(1, 2), tiled_mma().tv_layout_B_tiled),
+        "mma_c_tv": lambda: (tile(0, 1), tiled_mma().tv_layout_C_tiled),
+    }
+
+
+def _gemv_layouts(k: int) -> dict[str, Callable[[], object]]:
+    import cutlass
+
+    from .kernels.gemv import gemv_mma
+
+    entries = _mma_tv(lambda: gemv_mma(cutlass.Float16)[1])
+    entries["weight_words"] = lambda: weight_words_layout(1, 1, k)  # one repack tile
+    entries["weight_absmax"] = lambda: weight_absmax_layout(1, 1)
+    return entries
+
+
+def _gemm_layouts(k: int, config: str | None) -> dict[str, Callable[[], object]]:
+    from .gemm_dispatch import table_configs
+    from .kernels.gemm import GemmConfig, GemmKernel
+
+    cfg = GemmConfig.parse(config) if config else table_configs(k)[0]
+    kern = GemmKernel(k, "f16", cfg)  # raises ValueError naming a bad config
+
+    def a_stage0():  # one pipeline stage of the swizzled A ring: (TILE_M, TILE_K)
+        return cute.slice_(kern.a_smem_layout(), (None, None, 0))
+
+    def ldsm_a_smem():
+        # (thread, value) -> A element offset of the first k16 step's ldmatrix: the copy's
+        # source TV layout indexes its (M, 16) tile colex, as stage 0 does for K < 16.
+        ldsm = kern.make_a_ldsm(kern.make_tiled_mma())
+        return cute.composition(a_stage0(), ldsm.layout_src_tv_tiled), 2, 8
+
+    entries = _mma_tv(kern.make_tiled_mma)
+    entries["a_smem_layout"] = a_stage0  # drawn as offsets: the swizzle
+    entries["ldsm_a_smem"] = ldsm_a_smem
+    return entries

@@ -258,14 +258,10 @@ class GemmKernel:
         self.build_pair_table(pCodebook, sTable_u8)
 
         # ---- MMA partitions: warps tile (M, N) as (warps_m, warps_n)
-        tiled_mma = cute.make_tiled_mma(
-            cute.nvgpu.warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)),
-            cute.make_layout((cfg.warps_m, cfg.warps_n, 1)),
-        )
+        tiled_mma = self.make_tiled_mma()
         thr_mma = tiled_mma.get_slice(tidx)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA[None, None, 0]))  # (8, MI, KS)
-        ldsm = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), self.dtype)
-        tiled_ldsm = cute.make_tiled_copy_A(ldsm, tiled_mma)
+        tiled_ldsm = self.make_a_ldsm(tiled_mma)
         thr_ldsm = tiled_ldsm.get_slice(tidx)
         tCsA_ld = thr_ldsm.partition_S(sA)  # (CPY, MI, KS, stages)
         tCrA_ld = thr_ldsm.retile(tCrA)
@@ -353,6 +349,18 @@ class GemmKernel:
         )  # fmt: skip
 
     # ------------------------------------------------------------------------- layouts
+
+    def make_tiled_mma(self):
+        """mma.sync m16n8k16, fp32 accumulate; warps tile (M, N) as (warps_m, warps_n)."""
+        return cute.make_tiled_mma(
+            cute.nvgpu.warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)),
+            cute.make_layout((self.cfg.warps_m, self.cfg.warps_n, 1)),
+        )
+
+    def make_a_ldsm(self, tiled_mma):
+        """shared -> register copy of the A fragments of ``tiled_mma``: ldmatrix.x4."""
+        ldsm = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), self.dtype)
+        return cute.make_tiled_copy_A(ldsm, tiled_mma)
 
     def a_smem_layout(self):
         """(TILE_M, TILE_K, stages) K-major in 8 x 64 atoms, 16-byte chunks XOR-swizzled by

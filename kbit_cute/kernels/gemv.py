@@ -65,6 +65,16 @@ E4M4_CODES = 256
 STAGES = {2: 3, 3: 3, 4: 2, 5: 2}
 
 
+def gemv_mma(dtype: type[cutlass.Numeric]):
+    """The kernel's mma.sync m16n8k16 (fp32 accumulate): ``(atom, tiled_mma)``, one warp.
+
+    One function so that ``kbit_cute.layouts.kernel_layouts`` draws the very layouts the
+    kernel partitions its fragments with. Call it while tracing.
+    """
+    atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(dtype, Float32, (MMA_M, MMA_N, MMA_K)))
+    return atom, cute.make_tiled_mma(atom)
+
+
 class GemvKernel:
     """Compile-time config: bits ``k``, rows bucket ``m`` (1, 2 or 4), activation dtype."""
 
@@ -171,10 +181,7 @@ class GemvKernel:
             codebook = codebook_x2_lane(mCodebook, k, self.dtype)
         half_select = Uint32(0x5410) + Uint32(t % 2) * Uint32(0x2222)  # 16-bit half h of a word
 
-        atom = cute.make_mma_atom(
-            cute.nvgpu.warp.MmaF16BF16Op(self.dtype, Float32, (MMA_M, MMA_N, MMA_K))
-        )
-        tiled_mma = cute.make_tiled_mma(atom)
+        atom, tiled_mma = gemv_mma(self.dtype)
         acc = [
             tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((MMA_M, MMA_N)))
             for _ in range(ROW_TILES)
