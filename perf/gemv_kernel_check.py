@@ -1,5 +1,5 @@
-"""Correctness and L2-cold timing of the GEMV kernel alone, through a plain ``cute.compile``
-(no TVM-FFI, no torch ops): ``python -m perf.gemv_kernel_check [--quick]``.
+"""Correctness and L2-cold timing of the GEMV kernel alone, with explicit split counts and
+register-ring depths (no dispatch rule): ``python -m perf.gemv_kernel_check``.
 
 For kernel work: it checks every k x dtype x M on a few shapes (odd ones included, with
 and without split-K) against the float32 reference, then times the large shapes for a
@@ -12,54 +12,36 @@ import argparse
 import json
 import os
 
-import cutlass
-import cutlass.cute as cute
 import torch
-from cutlass.base_dsl.enums import AddressSpace
-from cutlass.cute.runtime import make_ptr
 from tabulate import tabulate
 
+from kbit_cute.compile import launcher
 from kbit_cute.format import dequantize as dequantize_reference
 from kbit_cute.format import quantize
 from kbit_cute.kernels.gemv import COLS_PER_GROUP, gemv_spec
 from perf.common import copies_for, graph_time_us, read_bandwidth_gbs
 
-_CUTE = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16,
-         torch.float32: cutlass.Float32, torch.int32: cutlass.Int32, torch.uint8: cutlass.Uint8}  # fmt: skip
 _NAMES = {torch.float16: "f16", torch.bfloat16: "bf16"}
-_compiled: dict = {}
 _ws = torch.empty(0)
 _counters = torch.empty(0)
 
 
-def _ptr(t, align=16):
-    return make_ptr(_CUTE[t.dtype], t.data_ptr(), AddressSpace.gmem, assumed_align=align)
-
-
-def run_gemv(A, qw, out, splits, stream=None, stages=None):
+def run_gemv(A, qw, out, splits, stages=None):
+    """One GEMV launch with an explicit split count and register-ring depth (through the
+    library's launcher; the workspace is this script's own)."""
     global _ws, _counters
-    from cuda.bindings import driver
-
-    stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)  # capture-safe
     M = A.shape[0]
     m = 1 if M == 1 else 2 if M == 2 else 4
-    key = (qw.k, m, A.dtype, stages)
-    if key not in _compiled:
-        fn, args = gemv_spec(qw.k, m, _NAMES[A.dtype], stages).build()
-        _compiled[key] = cute.compile(fn, *args)
-    groups = -(-qw.N // COLS_PER_GROUP)
-    need = splits * m * groups * COLS_PER_GROUP
+    fn = launcher(gemv_spec(qw.k, m, _NAMES[A.dtype], stages))
+    need = splits * m * -(-qw.N // COLS_PER_GROUP) * COLS_PER_GROUP
     if _ws.numel() < need or _ws.device.type != "cuda":
         _ws = torch.empty(max(need, 1 << 22), device="cuda")
         _counters = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
-    _compiled[key](
-        _ptr(A), _ptr(qw.packed), _ptr(qw.absmax), _ptr(qw.codebook), _ptr(qw.scale, 4),
-        _ptr(out, 2), _ptr(out, 2), _ptr(_ws), _ptr(_counters, 4),
-        M, qw.N, qw.K, splits, 0, stream,
-    )  # fmt: skip
+    fn(A, qw.packed, qw.absmax, qw.codebook, qw.scale, out, out, _ws, _counters,
+       M, qw.N, qw.K, splits, 0)  # fmt: skip
 
 
-def check(stream) -> list:
+def check() -> list:
     rows, bad = [], 0
     for K, N in [(2048, 512), (512, 2048), (1056, 1000), (4096, 2048), (160, 200)]:
         for k in (2, 3, 4, 5):
@@ -70,7 +52,7 @@ def check(stream) -> list:
                     for splits in (1, 3):
                         A = torch.randn(M, K, device="cuda", dtype=dtype)
                         out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
-                        run_gemv(A, qw, out, splits, stream)
+                        run_gemv(A, qw, out, splits)
                         ref = A.float() @ W.T
                         err = ((out.float() - ref).norm() / ref.norm()).item()
                         nan = torch.isnan(out).any().item()
@@ -87,7 +69,7 @@ def check(stream) -> list:
     return rows
 
 
-def bench(stream, split_options, ks, Ms, shapes, stage_options=(None,)) -> list:
+def bench(split_options, ks, Ms, shapes, stage_options=(None,)) -> list:
     bw = read_bandwidth_gbs()
     rows, recs = [], []
     for K, N in shapes:
@@ -113,7 +95,7 @@ def bench(stream, split_options, ks, Ms, shapes, stage_options=(None,)) -> list:
                 for splits, st in [(s, st) for s in split_options for st in stage_options]:
                     t = graph_time_us(
                         lambda i, A=A, out=out, s=splits, st=st: (
-                            lambda: run_gemv(A, qws[i], out, s, stream, st)
+                            lambda: run_gemv(A, qws[i], out, s, st)
                         ),
                         nq,
                     )
@@ -138,13 +120,10 @@ def main() -> None:
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--stages", type=int, nargs="+", default=[None])
     args = p.parse_args()
-    from cuda.bindings import driver
-
-    stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
     if not args.no_check:
-        check(stream)
+        check()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
-    recs = bench(stream, args.splits, args.k, args.m, shapes, args.stages)
+    recs = bench(args.splits, args.k, args.m, shapes, args.stages)
     with open(os.path.join(os.environ.get("OUT", "."), "gemv_kernel_check.json"), "w") as f:
         json.dump(recs, f)
 

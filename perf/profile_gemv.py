@@ -1,4 +1,4 @@
-"""A few launches of one GEMV kernel configuration, for profilers (plain ``cute.compile``):
+"""A few launches of one GEMV kernel configuration, for profilers:
 
     ncu --clock-control none -k regex:Gemv --launch-skip 3 --launch-count 1 \
         python -m perf.profile_gemv --k 4 --m 1 --shape 8192x28672 --splits 4

@@ -24,10 +24,7 @@ def test_fields_give_every_index_to_a_shuffle(k, gen):
         assert sorted(seen) == list(range(32))
 
 
-def _prmt(a: int, b: int, sel: int) -> int:
-    """Host model of prmt.b32 (default mode): byte i of the result is byte sel[i] of b:a."""
-    src = (b << 32) | a
-    return sum(((src >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+_prmt = dh._prmt_host  # host model of prmt.b32, shared with the GEMM's tests
 
 
 @pytest.mark.parametrize("k", (2, 3, 4, 5))

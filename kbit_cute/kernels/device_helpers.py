@@ -117,6 +117,7 @@ def _merge_pair(x, y, w: int):
 # register (the operand format of mma.sync). These helpers work on such registers (Uint32).
 
 _HALF2_ASM = {cutlass.Float16: "f16x2", cutlass.BFloat16: "bf16x2"}
+_DTYPE_NAMES = {cutlass.Float16: "f16", cutlass.BFloat16: "bf16"}
 _NEG_ZERO_X2 = 0x80008000  # -0.0 in both halves: x * s + (-0) == x * s exactly
 
 
@@ -158,10 +159,17 @@ def pack_x2(lo: Float32, hi: Float32, dtype: cutlass.Constexpr) -> Uint32:
     )  # fmt: skip
 
 
+def _entry(mCodebook: cute.Tensor, i, dtype) -> Float32:
+    """Codebook entry i times ``CODEBOOK_FACTOR``: the tables of the mma kernels carry the
+    factor so that the absmax is one IMAD (``absmax_x2``) and their product is exact-scaled."""
+    return Float32(mCodebook[i]) * Float32(CODEBOOK_FACTOR[_DTYPE_NAMES[dtype]])
+
+
 @cute.jit
 def codebook_x2_lane(mCodebook: cute.Tensor, k: cutlass.Constexpr[int], dtype: cutlass.Constexpr):
-    """Each lane holds entry lane % 2^k in both halves, for ``codebook_lookup_x2``."""
-    v = Float32(mCodebook[cute.arch.lane_idx() % (1 << k)])
+    """Each lane holds entry lane % 2^k (x ``CODEBOOK_FACTOR``) in both halves, for
+    ``codebook_lookup_x2``."""
+    v = _entry(mCodebook, cute.arch.lane_idx() % (1 << k), dtype)
     return pack_x2(v, v, dtype)
 
 
@@ -170,7 +178,9 @@ def codebook_pair_lane(mCodebook: cute.Tensor, dtype: cutlass.Constexpr):
     """k = 2: lane L holds the pair (entry L & 3, entry (L >> 2) & 3), so one shuffle by a
     4-bit field holding two adjacent 2-bit indices returns both weights."""
     lane = cute.arch.lane_idx()
-    return pack_x2(Float32(mCodebook[lane % 4]), Float32(mCodebook[(lane // 4) % 4]), dtype)
+    return pack_x2(
+        _entry(mCodebook, lane % 4, dtype), _entry(mCodebook, (lane // 4) % 4, dtype), dtype
+    )
 
 
 @cute.jit
@@ -181,9 +191,10 @@ def codebook_lookup_x2(cb_x2_lane: Uint32, index: Uint32) -> Uint32:
 
 
 def codebook_x2_pairs(mCodebook: cute.Tensor, k: int, dtype) -> list:
-    """For k <= 3: the 2^k entries as 16-bit values, two per register (entries 2i, 2i+1)."""
+    """For k <= 3: the 2^k entries (x ``CODEBOOK_FACTOR``) as 16-bit values, two per register
+    (entries 2i, 2i+1)."""
     return [
-        pack_x2(Float32(mCodebook[i]), Float32(mCodebook[i + 1]), dtype)
+        pack_x2(_entry(mCodebook, i, dtype), _entry(mCodebook, i + 1, dtype), dtype)
         for i in range(0, 1 << k, 2)
     ]
 
@@ -220,13 +231,6 @@ def byte_pair_selector(i: int, j: int) -> int:
     """``prmt`` selector that builds a 16-bit pair from byte tables: value i (low byte from
     register a's byte i, high byte from b's byte i) low, value j high."""
     return i | (4 + i) << 4 | j << 8 | (4 + j) << 12
-
-
-@cute.jit
-def e4m4_x2(code: Int32, dtype: cutlass.Constexpr) -> Uint32:
-    """E4M4 byte -> its value in both halves of an fp16x2 / bf16x2 register (exact)."""
-    v = decode_e4m4(code)
-    return pack_x2(v, v, dtype)
 
 
 # ----------------------------------------------------------------------------- pair tables
@@ -330,3 +334,27 @@ def _prmt_host(a: int, b: int, sel: int) -> int:
             byte = 0xFF if byte & 0x80 else 0
         out |= byte << (8 * i)
     return out
+
+
+# ----------------------------------------------------------------------------- split-K
+
+
+@cute.jit
+def split_k_arrive(counter: cute.Pointer, splits: Int32, sFlag: cute.Tensor) -> Int32:
+    """After a CTA wrote its fp32 partials: publish them and count the CTA in on its output
+    tile's counter. Returns nonzero in the CTA that arrived last, which may then read every
+    split's partials; it resets the counter, so the next call needs no memset."""
+    cute.arch.fence_acq_rel_gpu()
+    cute.arch.sync_threads()
+    tidx, _, _ = cute.arch.thread_idx()
+    if tidx == 0:
+        prev = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
+        last = Int32(prev == splits - 1)
+        if last != 0:
+            cute.arch.atomic_exch(counter, Int32(0))  # ready for the next call
+        sFlag[0] = last
+    cute.arch.sync_threads()
+    last = sFlag[0]
+    if last != 0:
+        cute.arch.fence_acq_rel_gpu()
+    return last

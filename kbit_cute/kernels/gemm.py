@@ -42,7 +42,14 @@ from cutlass._mlir.dialects import llvm
 from cutlass.memory import SmemAllocator
 
 from ..format import BLOCK, BLOCKS_PER_TILE_K, TILE_K, TILE_N
-from .device_helpers import CODEBOOK_FACTOR, absmax_x2, mul_x2, pair_offsets, prmt
+from .device_helpers import (
+    CODEBOOK_FACTOR,
+    absmax_x2,
+    mul_x2,
+    pair_offsets,
+    prmt,
+    split_k_arrive,
+)
 
 # Repack tile sizes, in the units the kernel copies.
 _TILE_WORDS_PER_K = TILE_N * BLOCKS_PER_TILE_K  # int32 words of one repack tile, per bit
@@ -576,20 +583,9 @@ class GemmKernel:
                         sem="relaxed",
                         scope="gpu",
                     )
-            # Publish, then count this CTA in; the last one of the tile reduces and stores.
-            cute.arch.fence_acq_rel_gpu()
-            cute.arch.sync_threads()
-            if tidx == 0:
-                counter = pCounters + tile
-                prev = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
-                last = Int32(prev == splits - 1)
-                if last != 0:
-                    cute.arch.atomic_exch(counter, Int32(0))  # ready for the next call
-                sFlag[0] = last
-            cute.arch.sync_threads()
-            do_store = sFlag[0]
+            # The last CTA of the tile reduces and stores.
+            do_store = split_k_arrive(pCounters + tile, splits, sFlag)
             if do_store != 0:
-                cute.arch.fence_acq_rel_gpu()
                 if atomic == 0:
                     acc.fill(0.0)
                     for sp in cutlass.range(splits, unroll=1):  # fixed order: deterministic

@@ -36,19 +36,20 @@ from cutlass.memory import SmemAllocator
 from ..format import BLOCK, BLOCKS_PER_TILE_K, TILE_K, TILE_N
 from ..layouts import weight_absmax_layout, weight_words_layout
 from .device_helpers import (
+    absmax_x2,
     byte_pair_selector,
     byte_table_lookup,
     codebook_lookup_x2,
     codebook_pair_lane,
     codebook_x2_lane,
     codebook_x2_pairs,
-    e4m4_x2,
     field_bits,
     mul_x2,
     pair_selector,
     planes_to_fields,
     prmt,
     scaled_byte_tables,
+    split_k_arrive,
 )
 
 WARPS = 4
@@ -57,7 +58,6 @@ ROW_TILES = 2  # mma row tiles (16 columns each) per warp
 WARP_COLS = MMA_M * ROW_TILES
 COLS_PER_GROUP = WARP_COLS * WARPS  # one repack tile
 THREAD_K = BLOCK // 2  # a thread's K run per tile: half of one block
-E4M4_CODES = 256
 # Register buffers per warp: a warp has stages - 1 K tiles (256 k bytes each) in flight
 # while it works on one. Measured on the H100 (perf/gemv_kernel_check.py --stages 2 3 4,
 # 3 shapes, M = 1 and 4): k = 2, 3 are best with 3; k = 4, 5 with 2 (a deeper ring costs
@@ -166,11 +166,7 @@ class GemvKernel:
         kt_end = (split + 1) * k_tiles // splits
 
         smem = SmemAllocator()
-        sScale = smem.allocate_tensor(Uint32, cute.make_layout(E4M4_CODES), byte_alignment=16)
         sFlag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
-        for i in cutlass.range_constexpr(E4M4_CODES // self.threads):
-            code = tidx + i * self.threads
-            sScale[code] = e4m4_x2(code, self.dtype)
 
         mCodebook = cute.make_tensor(pCodebook, cute.make_layout(1 << k))
         if cutlass.const_expr(self.byte_tables):
@@ -206,7 +202,7 @@ class GemvKernel:
                     if kt + b + S - 1 < kt_end:
                         nxt = bufs[(b + S - 1) % S]  # the one finished last step
                         self.load_tile(mA, mW, mS, col0, row, t, kt + b + S - 1, nxt)
-                    self.mma_tile(bufs[b], codebook, half_select, sScale, atom, frag_a, frag_b, acc)
+                    self.mma_tile(bufs[b], codebook, half_select, atom, frag_a, frag_b, acc)
 
         self.epilogue(acc, pScale, pBias, mOut, mWs, pCounters, sFlag, splits, has_bias, col0, t)
 
@@ -240,14 +236,18 @@ class GemvKernel:
         else:
             rA.fill(0.0)  # K padding: the weights there are zero, A must not be NaN
 
-    def mma_tile(self, buf, codebook, half_select, sScale, atom, frag_a, frag_b, acc):
+    def mma_tile(self, buf, codebook, half_select, atom, frag_a, frag_b, acc):
         """acc[r] += this K tile of the thread's columns (row tile r) times the activations."""
         rW, rS, rA = buf
         k, W = self.k, self.field_width
         act = cute.recast_tensor(rA, Uint32)  # act[i] = activations (2i, 2i+1)
         a_regs = cute.recast_tensor(frag_a, Uint32)
         b_regs = cute.recast_tensor(frag_b, Uint32)
-        scales = [sScale[Int32(rS[j]) & 0xFF] for j in range(2 * ROW_TILES)]
+        # Each column's block scale in both halves, one IMAD (the tables carry the factor).
+        scales = [
+            absmax_x2(Uint32(rS[j]) & Uint32(0xFF), _DTYPE_NAME[self.dtype])
+            for j in range(2 * ROW_TILES)
+        ]
         b_pairs = None
         for r in range(ROW_TILES):
             # Plane b of both columns of this row tile, the thread's half of each:
@@ -326,19 +326,7 @@ class GemvKernel:
                     else:
                         mWs[col, m, split] = acc[r][i]
         if splits > 1:
-            # Publish the partials, then count this CTA in; the last one reduces.
-            cute.arch.fence_acq_rel_gpu()
-            cute.arch.sync_threads()
-            if tidx == 0:
-                counter = pCounters + group
-                prev = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
-                last = Int32(prev == splits - 1)
-                if last != 0:
-                    cute.arch.atomic_exch(counter, Int32(0))  # ready for the next call
-                sFlag[0] = last
-            cute.arch.sync_threads()
-            if sFlag[0] != 0:
-                cute.arch.fence_acq_rel_gpu()
+            if split_k_arrive(pCounters + group, splits, sFlag) != 0:  # the last CTA reduces
                 outputs = COLS_PER_GROUP * m_rows
                 for i in cutlass.range_constexpr((outputs + self.threads - 1) // self.threads):
                     o = tidx + i * self.threads
@@ -386,6 +374,7 @@ def _pairs_of(fields, width: int):
 
 
 _DTYPES = {"f16": cutlass.Float16, "bf16": cutlass.BFloat16}
+_DTYPE_NAME = {v: n for n, v in _DTYPES.items()}
 M_BUCKETS = (1, 2, 4)
 
 
