@@ -265,7 +265,7 @@ class _SplitKState:
 
 _split_states: dict[tuple[int, int], _SplitKState] = {}
 # (k, N, K, device) -> (K splits, int32 words of the weight): one dict lookup per call
-_gemv_plans: dict[tuple[int, int, int, int], tuple[int, int]] = {}
+_gemv_plans: dict[tuple[int, int, int, int], tuple[int, int, int]] = {}
 # (k, m bucket, dtype) -> launch function
 _gemv_launchers: dict[tuple[int, int, torch.dtype], object] = {}
 
@@ -353,7 +353,7 @@ def _gemm_impl(A, packed, absmax, codebook, scale, k, N, K, bias=None, out=None)
         return out
     if M > GEMV_MAX_M:
         return _gemm_large_m(A, packed, absmax, codebook, scale, k, N, K, bias, out)
-    splits = plan[0] if M <= 2 or N >= 64 * 128 else max(1, plan[0] // 2)  # gemv_splits(m=4)
+    splits = plan[2] if M > 2 else plan[0]
     return _gemv_launch(A, packed, absmax, codebook, scale, k, N, K, bias, out, M, splits, dev)
 
 
@@ -363,7 +363,8 @@ def _plan(packed, absmax, codebook, scale, k, N, K, dev) -> tuple[int, int]:
     if dev < 0:
         return 1, 0  # CPU: nothing to plan; not cached, so every CPU call is checked
     props = _device.check_device(dev)
-    plan = (gemv_splits(N, K, props.sm_count), packed.numel())
+    sms = props.sm_count
+    plan = (gemv_splits(N, K, sms), packed.numel(), gemv_splits(N, K, sms, m=4))
     _gemv_plans[(k, N, K, dev)] = plan
     return plan
 
@@ -406,7 +407,8 @@ def _gemv(A, qw: KbitWeight, bias, out, M: int, splits: int | None = None):
     dev = A.get_device()
     _plan(qw.packed, qw.absmax, qw.codebook, qw.scale, qw.k, qw.N, qw.K, dev)
     if splits is None:
-        splits = _gemv_plans[(qw.k, qw.N, qw.K, dev)][0]
+        plan = _gemv_plans[(qw.k, qw.N, qw.K, dev)]
+        splits = plan[2] if M > 2 else plan[0]
     args = (A, qw.packed, qw.absmax, qw.codebook, qw.scale, qw.k, qw.N, qw.K, bias, out, M)
     return _gemv_launch(*args, splits, dev)
 

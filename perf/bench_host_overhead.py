@@ -103,7 +103,7 @@ def mock_rows(K: int, N: int, k: int, dtype: torch.dtype) -> list[tuple[str, flo
     A = torch.randn(1, K, dtype=dtype)
     qw = kbit_cute.quantize(torch.randn(N, K, dtype=dtype), k)
     out = torch.empty(1, N, dtype=dtype)
-    ops._gemv_plans[(k, N, K, -1)] = (1, qw.packed.numel())
+    ops._gemv_plans[(k, N, K, -1)] = (1, qw.packed.numel(), 1)
     args = (A, qw.packed, qw.absmax, qw.codebook, qw.scale, k, N, K, None, out, 1, 1, -1)
     ws, cnt = torch.empty(1 << 16), torch.zeros(4096, dtype=torch.int32)
     raw_args = (A, qw.packed, qw.absmax, qw.codebook, qw.scale, out, out, ws, cnt, 1, N, K, 1, 0)
