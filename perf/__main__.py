@@ -3,19 +3,25 @@
     python -m perf gemm   [--model NAME ...] [--shape KxN ...] [--k 2 3 4 5] [--m 1 2 4 ...]
                           [--dtype fp16|bf16] [--peers tinygemm bnb gemlite] [--out DIR]
     python -m perf decode [--model llama3-8b qwen3-coder-next] [--batch 1 4] [--k 2 3 4 5]
+    python -m perf moe    [--model NAME ...] [--t 1 4 16 64] [--k 4] [--dtype bf16|fp16]
     python -m perf merge  RUN.json ... --out perf/results/h100.json
     python -m perf readme [--check]
 
 Method (perf/common.py): L2-cold weight rotation over > 4x L2, CUDA-graph replays, median of
 >= 7 replays, eager time with host overhead next to it, read bandwidth and matmul peak
 measured in the same run. Output (``--out``, default $OUT, else perf/results/run-<date>-<kind>):
-gemm.json / decode.json (environment and every number), gemm.md / decode.md (tables), PNG
-plots; the tables are also printed (the per-model summary last).
+gemm.json / decode.json / moe.json (environment and every number), gemm.md / decode.md /
+moe.md (tables), PNG plots; the tables are also printed (the per-model summary last).
 
 Time budget: with no --model/--shape, ``gemm`` sweeps llama3-70b and qwen3-coder-next over
 the default M and k (9 shapes x 8 implementations x 6 M): 443 s measured on the H100, and
 ``--budget-s`` (default 450 s) records whatever is left as skipped, so the run always ends
 within ~8 min and reports. (The cost model printed at the start underestimates: ~100 s.)
+
+``moe`` (issue 7; method in perf/moe.py) times the kbit grouped experts and the KbitMoE
+layer against bf16 ``torch._grouped_mm`` and an ``F.linear`` loop on the same routings, for
+Qwen3-Coder-Next, GLM-4.7-Flash and DeepSeek-V2-Lite at T = 1, 4, 16, 64 and k = 4 (pass
+``--k 2 3 4 5`` for all); ``--budget-s`` (default 200 s) guards it like ``gemm``.
 
 ``--cpu-smoke`` runs the whole pipeline (sweep, peers, JSON, tables, plots; decode with
 toy-sized models) on the CPU with host-clock timing stubs. Its numbers are meaningless; it
@@ -32,6 +38,7 @@ from pathlib import Path
 
 from . import models
 from .gemm import DEFAULT_MS, DTYPES, parse_shape
+from .moe import DEFAULT_TS
 from .peers import PEER_NAMES
 
 
@@ -101,6 +108,26 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--repeats", type=int, default=9, help="timed graph replays (>= 7)")
     _common(d)
 
+    mo = sub.add_parser("moe", help="MoE layer: kbit grouped experts and KbitMoE vs "
+                        "torch._grouped_mm and an F.linear loop")  # fmt: skip
+    moe_models = [n for n, c in models.MODELS.items() if c.experts and c.seed_shapes is None]
+    mo.add_argument("--model", nargs="+", choices=moe_models, default=list(models.MOE_MODELS),
+                    help="models with routed experts (default: all)")  # fmt: skip
+    mo.add_argument("--t", type=_positive, nargs="+", default=list(DEFAULT_TS),
+                    help="tokens per call (default 1 4 16 64)")  # fmt: skip
+    mo.add_argument("--k", type=int, nargs="+", default=[4], choices=[2, 3, 4, 5],
+                    help="kbit bit widths (default 4)")  # fmt: skip
+    mo.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                    help="activations and the peers' weights (default bf16: torch._grouped_mm's)")  # fmt: skip
+    mo.add_argument("--budget-s", type=float, default=200.0,
+                    help="stop timing after this many seconds; the rest is recorded as skipped (0: none)")  # fmt: skip
+    mo.add_argument("--repeats", type=int, default=9, help="timed graph replays per point (>= 7)")
+    mo.add_argument("--out", type=Path, default=None,
+                    help="output folder (default $OUT, else perf/results/run-<date>-<kind>)")  # fmt: skip
+    mo.add_argument("--seed", type=int, default=0)
+    mo.add_argument("--cpu-smoke", action="store_true",
+                    help="run every path on the CPU with toy experts (CI; numbers meaningless)")  # fmt: skip
+
     m = sub.add_parser(
         "merge", help="collect run JSONs into one results file (perf/results/h100.json)"
     )
@@ -128,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
 
     timer = make_timer(args.cpu_smoke, max(args.repeats, 7))
     out = args.out or default_out_dir(args.cmd)
-    return _gemm(args, timer, out) if args.cmd == "gemm" else _decode(args, timer, out)
+    run = {"gemm": _gemm, "decode": _decode, "moe": _moe}[args.cmd]
+    return run(args, timer, out)
 
 
 def _print_table(headers, rows) -> None:
@@ -186,6 +214,28 @@ def _decode(args, timer, out: Path) -> int:
     for note in run["config"]["notes"]:
         print(f"- {note}")
     print(f"\nwrote {', '.join(str(p) for p in written)}")
+    if run["aborted"]:
+        print(f"run stopped early: {run['aborted']}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _moe(args, timer, out: Path) -> int:
+    from . import tables
+    from .common import dump_json
+    from .moe import detail_table, markdown, run_moe, summary_table
+
+    run = run_moe(args, timer)
+    dump_json(run, out / "moe.json")
+    (out / "moe.md").write_text(markdown(run))
+    print()
+    _print_table(*detail_table(run))
+    print()
+    print(tables.run_header(run))
+    print(f"\nMoE layer ({run['config']['dtype']}): us per call; x target = kbit us / (touched "
+          "kbit bytes / read bandwidth + 5 us); vs = peer us / kbit-experts us")  # fmt: skip
+    _print_table(*summary_table(run))
+    print(f"\nwrote {out / 'moe.json'}, {out / 'moe.md'}")
     if run["aborted"]:
         print(f"run stopped early: {run['aborted']}", file=sys.stderr)
         return 1

@@ -34,7 +34,9 @@ class ModelConfig:
     """The architecture numbers the suite needs; ``family`` picks the decode-step builder."""
 
     name: str
-    family: str  # "llama" (dense GQA), "qwen3_next" (hybrid linear/full attention + MoE), "glm4_moe_lite"
+    # "llama" (dense GQA), "qwen3_next" (hybrid linear/full attention + MoE), "glm4_moe_lite"
+    # and "deepseek_v2" (multi-latent attention + MoE with shared experts)
+    family: str
     source: str
     hidden: int
     intermediate: int
@@ -57,7 +59,7 @@ class ModelConfig:
     lin_v_dim: int = 0
     conv_kernel: int = 0
     full_attention_interval: int = 0
-    # GLM-4.7-Flash multi-latent attention
+    # GLM-4.7-Flash / DeepSeek-V2 multi-latent attention (q_lora_rank 0: a plain q_proj)
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
     qk_nope_dim: int = 0
@@ -137,13 +139,18 @@ class ModelConfig:
                 LinearShape("mlp.shared_expert.down_proj", self.shared_intermediate, H, L),
                 LinearShape("mlp.shared_expert_gate", H, 1, L, quantized=False, in_sweep=False),
             ]
-        elif self.family == "glm4_moe_lite":
+        elif self.family in ("glm4_moe_lite", "deepseek_v2"):
             dense, moe = self.first_dense_layers, L - self.first_dense_layers
             qk = self.qk_nope_dim + self.qk_rope_dim
             shared = self.shared_intermediate
-            out = [
-                LinearShape("self_attn.q_a_proj", H, self.q_lora_rank, L),
-                LinearShape("self_attn.q_b_proj", self.q_lora_rank, self.heads * qk, L),
+            if self.q_lora_rank:
+                out = [
+                    LinearShape("self_attn.q_a_proj", H, self.q_lora_rank, L),
+                    LinearShape("self_attn.q_b_proj", self.q_lora_rank, self.heads * qk, L),
+                ]
+            else:
+                out = [LinearShape("self_attn.q_proj", H, self.heads * qk, L)]
+            out += [
                 LinearShape(
                     "self_attn.kv_a_proj_with_mqa", H, self.kv_lora_rank + self.qk_rope_dim, L
                 ),
@@ -159,7 +166,8 @@ class ModelConfig:
                     H,
                     self.intermediate,
                     dense,
-                    note="dense MLP of the first layer; seed 000 calls it 'shared'",
+                    note="dense MLP of the first layer"
+                    + ("; seed 000 calls it 'shared'" if self.family == "glm4_moe_lite" else ""),
                 ),
                 LinearShape("mlp.up_proj (dense)", H, self.intermediate, dense),
                 LinearShape("mlp.down_proj (dense)", self.intermediate, H, dense),
@@ -298,7 +306,25 @@ _add(ModelConfig(
     ),
 ))  # fmt: skip
 
+# https://huggingface.co/deepseek-ai/DeepSeek-V2-Lite/blob/main/config.json (model_type
+# deepseek_v2): hidden_size 2048, intermediate_size 10944, num_hidden_layers 27,
+# num_attention_heads 16, num_key_value_heads 16, q_lora_rank null, kv_lora_rank 512,
+# qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128, n_routed_experts 64,
+# n_shared_experts 2, num_experts_per_tok 6, moe_intermediate_size 1408,
+# first_k_dense_replace 1, norm_topk_prob false, vocab_size 102400.
+# Layer structure from DeepSeek's modeling_deepseek.py: q_lora_rank null means one q_proj
+# (no q_a/q_b); the two shared experts are one MLP of n_shared_experts * moe_intermediate_size
+# = 2816 channels.
+_add(ModelConfig(
+    name="deepseek-v2-lite", family="deepseek_v2",
+    source="https://huggingface.co/deepseek-ai/DeepSeek-V2-Lite/blob/main/config.json",
+    hidden=2048, intermediate=10944, layers=27, heads=16, kv_heads=16, head_dim=192,
+    vocab=102400, experts=64, top_k=6, moe_intermediate=1408, shared_intermediate=2 * 1408,
+    first_dense_layers=1, kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128,
+))  # fmt: skip
+
 DECODE_MODELS = ("llama3-8b", "qwen3-coder-next")
+MOE_MODELS = ("qwen3-coder-next", "glm-4.7-flash", "deepseek-v2-lite")  # python -m perf moe
 
 
 def get_model(name: str) -> ModelConfig:

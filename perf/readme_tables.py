@@ -87,9 +87,14 @@ def render_full(coll: dict) -> str:
     parts = ["# H100 results (generated from h100.json by `python -m perf readme`)\n"]
     for run in coll["runs"]:
         parts.append(f"## {run['kind']}\n")
-        parts.append(
-            tables.gemm_markdown(run) if run["kind"] == "gemm" else tables.decode_markdown(run)
-        )
+        if run["kind"] == "moe":
+            from perf.moe import markdown as moe_markdown
+
+            parts.append(moe_markdown(run))
+        else:
+            parts.append(
+                tables.gemm_markdown(run) if run["kind"] == "gemm" else tables.decode_markdown(run)
+            )
     return "\n".join(parts)
 
 

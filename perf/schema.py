@@ -22,8 +22,14 @@ _DECODE_RECORD = {
     "step_us": (float, int, type(None)), "tokens_per_s": (float, int, type(None)),
     "speedup": (float, int, type(None)), "linear_frac": (float, int, type(None)),
 }  # fmt: skip
+_MOE_RECORD = {
+    "model": str, "T": int, "impl": str, "status": str, "graph_us": (float, int, type(None)),
+    "eager_us": (float, int, type(None)), "touched_bytes": (float, int, type(None)),
+}  # fmt: skip
 _CONFIG_KEYS = {"gemm": {"dtype", "ks", "ms", "models", "impls", "shapes"},
-                "decode": {"models", "batches", "ks", "dtype"}}  # fmt: skip
+                "decode": {"models", "batches", "ks", "dtype"},
+                "moe": {"models", "ts", "ks", "dtype", "impls", "specs"}}  # fmt: skip
+_RECORDS = {"gemm": _GEMM_RECORD, "decode": _DECODE_RECORD, "moe": _MOE_RECORD}
 
 
 def validate_run(run: dict) -> dict:
@@ -40,7 +46,7 @@ def validate_run(run: dict) -> dict:
     missing = _CONFIG_KEYS[kind] - run["config"].keys()
     if missing:
         raise ValueError(f"{kind} run config is missing {sorted(missing)}")
-    fields = _GEMM_RECORD if kind == "gemm" else _DECODE_RECORD
+    fields = _RECORDS[kind]
     if not isinstance(run["results"], list):
         raise ValueError("run results must be a list")
     for i, rec in enumerate(run["results"]):

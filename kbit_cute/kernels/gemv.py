@@ -50,6 +50,7 @@ from .device_helpers import (
     prmt,
     scaled_byte_tables,
     split_k_arrive,
+    sum_split_partials,
 )
 
 WARPS = 4
@@ -333,13 +334,9 @@ class GemvKernel:
                     col, m = o % COLS_PER_GROUP, o // COLS_PER_GROUP
                     if o < outputs:
                         gcol = group * COLS_PER_GROUP + col
-                        v = Float32(0.0)
-                        for s in cutlass.range(splits, unroll=1):  # fixed order: deterministic
-                            v = v + cute.arch.load(
-                                mWs.iterator + cute.crd2idx((gcol, m, s), mWs.layout),
-                                Float32,
-                                cop="cg",
-                            )
+                        first = mWs.iterator + cute.crd2idx((gcol, m, 0), mWs.layout)
+                        stride = cute.crd2idx((0, 0, 1), mWs.layout)
+                        v = sum_split_partials(first, stride, splits)
                         self.store(v, scale, mBias, mOut, has_bias, m, gcol)
 
     @cute.jit

@@ -1,0 +1,305 @@
+"""Grouped expert matmuls for MoE: the torch API and ``torch.library`` ops.
+
+    kbit_cute::grouped_gemm(A, packed, absmax, codebook, scale, expert_offsets, k, N, K,
+                            max_rows) -> out [R, N]
+    kbit_cute::moe_gate_up(A, packed, absmax, codebook, scale, expert_offsets, k, N, K,
+                           max_rows) -> out [R, N / 2]
+
+``A`` [R, K] holds rows sorted by expert, ``expert_offsets`` [E + 1] (int32, on A's device)
+the row range of each expert; the weights are a ``KbitExperts`` (E stacked tiled weights,
+one codebook, a scale per expert). On CUDA one kernel launch serves every expert and the
+host never reads the offsets, so a MoE layer can be captured in a CUDA graph. On the CPU:
+dequantize + a matmul per expert.
+
+``max_rows`` is a static bound on any one expert's rows (0: R). A MoE layer passes the token
+count, since a token picks an expert at most once. Split-K keeps partial sums for that many
+rows per expert; rows past the bound come out as NaN, never silently wrong.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import device as _device
+from .compile import current_raw_stream, launcher
+from .experts import KbitExperts, check_experts, dequantize_experts
+from .ops import _GEMV_DTYPES
+
+__all__ = ["grouped_gemm", "moe_gate_up"]
+
+_is_compiling = torch.compiler.is_compiling
+ROWS_PER_PASS = 8  # kernels.grouped_gemv.ROWS_PER_PASS (not imported: keeps cutlass lazy)
+_CTA_COLS = 128  # weight columns per CTA (gate/up: 64 outputs of each half)
+_GATE_UP_ALIGN = 64
+
+
+def grouped_gemm(
+    A: torch.Tensor,
+    experts: KbitExperts,
+    expert_offsets: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    max_rows_per_expert: int | None = None,
+) -> torch.Tensor:
+    """out[r] = A[r] @ W_e^T for every row r in expert e's range offsets[e]:offsets[e+1].
+
+    A [R, K] fp16/bf16 (CUDA) or any float dtype (CPU), rows sorted by expert; output in
+    A's dtype. Rows outside every range are not written.
+    """
+    return _call("grouped_gemm", A, experts, expert_offsets, out, max_rows_per_expert)
+
+
+def moe_gate_up(
+    A: torch.Tensor,
+    gate_up: KbitExperts,
+    expert_offsets: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    max_rows_per_expert: int | None = None,
+) -> torch.Tensor:
+    """SiLU(A W_gate^T) * (A W_up^T) per expert, from the fused [gate; up] weight of each
+    expert (``gate_up.N`` = 2 I, gate rows first: transformers' ``gate_up_proj``) in one pass
+    over it. Returns [R, I]; I must be a multiple of 64."""
+    return _call("moe_gate_up", A, gate_up, expert_offsets, out, max_rows_per_expert)
+
+
+def _call(name, A, ex, offsets, out, max_rows):
+    if not isinstance(ex, KbitExperts):
+        raise TypeError(f"{name} takes a KbitExperts, got {type(ex).__name__}")
+    bound = _check_bound(max_rows)
+    args = (A, ex.packed, ex.absmax, ex.codebook, ex.scale, offsets, ex.k, ex.N, ex.K, bound)
+    if _is_compiling():
+        if out is None:
+            return getattr(torch.ops.kbit_cute, name)(*args)
+        getattr(torch.ops.kbit_cute, name + "_out")(*args, out)
+        return out
+    return _impl(name == "moe_gate_up", *args, out)
+
+
+def _check_bound(max_rows) -> int:
+    if max_rows is None:
+        return 0
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows <= 0:
+        raise ValueError(f"max_rows_per_expert must be a positive int, got {max_rows!r}")
+    return max_rows
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def _check_args(gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, out):
+    E = check_experts(packed, absmax, codebook, scale, k, N, K)
+    if not isinstance(A, torch.Tensor) or A.ndim != 2 or A.shape[1] != K:
+        raise ValueError(
+            f"A must be a 2-D [rows, K={K}] tensor, got "
+            f"{tuple(A.shape) if isinstance(A, torch.Tensor) else type(A).__name__}"
+        )
+    if A.device != packed.device:
+        raise ValueError(f"A is on {A.device} but the experts are on {packed.device}; move one")
+    if A.is_cuda and A.dtype not in _GEMV_DTYPES:
+        raise TypeError(f"on CUDA, A must be float16 or bfloat16, got {A.dtype}")
+    if (
+        not isinstance(offsets, torch.Tensor)
+        or offsets.dtype != torch.int32
+        or tuple(offsets.shape) != (E + 1,)
+        or offsets.device != A.device
+    ):
+        raise ValueError(
+            f"expert_offsets must be an int32 tensor of shape ({E + 1},) on {A.device}, got "
+            + (
+                f"{offsets.dtype} {tuple(offsets.shape)} on {offsets.device}"
+                if isinstance(offsets, torch.Tensor)
+                else type(offsets).__name__
+            )
+        )
+    if gate_up and (N % 2 or (N // 2) % _GATE_UP_ALIGN):
+        raise ValueError(
+            f"moe_gate_up needs the fused [gate; up] weight with N = 2 I, I a multiple of "
+            f"{_GATE_UP_ALIGN}; got N={N}"
+        )
+    n_out = N // 2 if gate_up else N
+    if out is not None and (
+        tuple(out.shape) != (A.shape[0], n_out)
+        or out.dtype != A.dtype
+        or out.device != A.device
+        or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"out must be a contiguous {A.dtype} tensor of shape {(A.shape[0], n_out)} on "
+            f"{A.device}, got {out.dtype} {tuple(out.shape)} on {out.device}"
+        )
+    return E, n_out
+
+
+# ---------------------------------------------------------------------------- implementation
+
+
+def _impl(gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, max_rows, out=None):
+    E, n_out = _check_args(gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, out)
+    if out is None:
+        out = A.new_empty((A.shape[0], n_out))
+    if A.shape[0] == 0:
+        return out
+    if not A.is_cuda:
+        return _reference(gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, out)
+    _launch(gate_up, A.contiguous(), packed, absmax, codebook, scale, offsets, k, N, K,
+            max_rows, out, E)  # fmt: skip
+    return out
+
+
+def _reference(gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, out):
+    """CPU: dequantize each expert that has rows, matmul, SiLU(g) * u for gate_up."""
+    ex = KbitExperts(packed, absmax, codebook, scale, k, N, K, A.dtype)
+    bounds = offsets.tolist()  # CPU tensors: reading them costs nothing
+    R = A.shape[0]
+    for e in range(len(bounds) - 1):
+        lo, hi = max(bounds[e], 0), min(bounds[e + 1], R)
+        if hi <= lo:
+            continue
+        W = dequantize_experts(_one(ex, e), torch.float32)[0]
+        y = A[lo:hi].float() @ W.T
+        if gate_up:
+            g, u = y.chunk(2, dim=-1)
+            y = torch.nn.functional.silu(g) * u
+        out[lo:hi] = y.to(out.dtype)
+    return out
+
+
+def _one(ex: KbitExperts, e: int) -> KbitExperts:
+    return KbitExperts(
+        ex.packed[e : e + 1], ex.absmax[e : e + 1], ex.codebook, ex.scale[e : e + 1],
+        ex.k, ex.N, ex.K, ex.dtype,
+    )  # fmt: skip
+
+
+def grouped_splits(items: int, k_tiles: int, sm_count: int) -> int:
+    """K splits for ``items`` (slots x column groups) CTAs: a power of two, at most 16.
+
+    Measured on the H100 (``python -m perf.moe_kernel_check``, Qwen3-Coder-Next experts,
+    splits 1/2/4/8): unlike the GEMV, these CTAs are few and short, and what costs is a
+    second wave (3-4 CTAs fit per SM) and split-K's extra round trips; best was about 3
+    CTAs per SM in all, each with at least 8 K tiles.
+    """
+    want = min(3 * sm_count // items, k_tiles // 8, 16)
+    return 1 << (max(want, 1).bit_length() - 1)
+
+
+# Split-K workspace budget: beyond it the split count drops (fp32 partials of every row).
+_WORKSPACE_LIMIT = 64 << 20
+
+
+class _GroupedState:
+    """Per (device, stream) split-K workspace and zeroed counters; grown, never shrunk.
+    The kernel resets the counters it uses, so nothing is cleared per call."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.workspace = torch.empty(0, dtype=torch.float32, device=device)
+        self.counters = torch.zeros(0, dtype=torch.int32, device=device)
+
+    def get(self, ws_elems: int, counters: int):
+        if self.workspace.numel() < ws_elems:
+            self.workspace = torch.empty(ws_elems, dtype=torch.float32, device=self.device)
+        if self.counters.numel() < counters:
+            self.counters = torch.zeros(counters, dtype=torch.int32, device=self.device)
+        return self.workspace, self.counters
+
+
+_states: dict[tuple[int, int], _GroupedState] = {}
+_launchers: dict[tuple, object] = {}
+
+
+def _launch(
+    gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, max_rows, out, E,
+    splits=None, stages=None,
+):  # fmt: skip
+    dev = A.get_device()
+    props = _device.check_device(dev)
+    R = A.shape[0]
+    rows_bound = min(max_rows or R, R)
+    slots = min(E, R)
+    groups = -(-(N // 2) // (_CTA_COLS // 2)) if gate_up else -(-N // _CTA_COLS)
+    k_tiles = -(-K // 64)
+    passes = -(-rows_bound // ROWS_PER_PASS)
+    if splits is None:
+        splits = grouped_splits(slots * groups, k_tiles, props.sm_count)
+    per_split = slots * groups * passes * ROWS_PER_PASS * _CTA_COLS
+    while splits > 1 and per_split * splits * 4 > _WORKSPACE_LIMIT:
+        splits //= 2
+    key = (k, A.dtype, gate_up, stages)
+    fn = _launchers.get(key)
+    if fn is None:
+        from .kernels.grouped_gemv import grouped_gemv_spec
+
+        spec = grouped_gemv_spec(k, _GEMV_DTYPES[A.dtype], gate_up, stages)
+        fn = _launchers[key] = launcher(spec)
+    stream = current_raw_stream(dev)
+    state = _states.get((dev, stream))
+    if state is None:
+        state = _states[(dev, stream)] = _GroupedState(A.device)
+    ws, counters = state.get(per_split * splits if splits > 1 else 1, slots * groups)
+    fn(A, packed, absmax, codebook, scale, offsets, out, ws, counters,
+       R, N, K, E, slots, passes, splits)  # fmt: skip
+
+
+def _grouped(gate_up, A, ex: KbitExperts, offsets, out, max_rows=0, splits=None, stages=None):
+    """The grouped kernel with an explicit split count / ring depth (checks and tuning)."""
+    E, _ = _check_args(gate_up, A, ex.packed, ex.absmax, ex.codebook, ex.scale, offsets,
+                       ex.k, ex.N, ex.K, out)  # fmt: skip
+    _launch(gate_up, A, ex.packed, ex.absmax, ex.codebook, ex.scale, offsets, ex.k, ex.N,
+            ex.K, max_rows, out, E, splits, stages)  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------- torch.library
+
+
+def _define(name: str, gate_up: bool):
+    @torch.library.custom_op(f"kbit_cute::{name}", mutates_args=())
+    def op(
+        A: torch.Tensor,
+        packed: torch.Tensor,
+        absmax: torch.Tensor,
+        codebook: torch.Tensor,
+        scale: torch.Tensor,
+        expert_offsets: torch.Tensor,
+        k: int,
+        N: int,
+        K: int,
+        max_rows: int,
+    ) -> torch.Tensor:
+        return _impl(gate_up, A, packed, absmax, codebook, scale, expert_offsets, k, N, K,
+                     max_rows)  # fmt: skip
+
+    @op.register_fake
+    def _(A, packed, absmax, codebook, scale, expert_offsets, k, N, K, max_rows):
+        _, n_out = _check_args(gate_up, A, packed, absmax, codebook, scale, expert_offsets,
+                               k, N, K, None)  # fmt: skip
+        return A.new_empty((A.shape[0], n_out))
+
+    @torch.library.custom_op(f"kbit_cute::{name}_out", mutates_args=("out",))
+    def op_out(
+        A: torch.Tensor,
+        packed: torch.Tensor,
+        absmax: torch.Tensor,
+        codebook: torch.Tensor,
+        scale: torch.Tensor,
+        expert_offsets: torch.Tensor,
+        k: int,
+        N: int,
+        K: int,
+        max_rows: int,
+        out: torch.Tensor,
+    ) -> None:
+        _impl(gate_up, A, packed, absmax, codebook, scale, expert_offsets, k, N, K, max_rows,
+              out)  # fmt: skip
+
+    @op_out.register_fake
+    def _(A, packed, absmax, codebook, scale, expert_offsets, k, N, K, max_rows, out):
+        _check_args(gate_up, A, packed, absmax, codebook, scale, expert_offsets, k, N, K, out)
+
+    return op, op_out
+
+
+_grouped_gemm_op, _grouped_gemm_out_op = _define("grouped_gemm", gate_up=False)
+_moe_gate_up_op, _moe_gate_up_out_op = _define("moe_gate_up", gate_up=True)

@@ -1,0 +1,397 @@
+"""Grouped expert GEMV for MoE: every selected expert of a layer in one launch.
+
+``out[rows of e] = A[rows of e] @ W_e^T`` for the E stacked weights of a ``KbitExperts``,
+rows sorted by expert, ``expert_offsets`` [E + 1] on the device. The per-expert work is the
+GEMV's (``GemvKernel``: weights as the mma's operand A, dequantized in registers, a register
+ring of K tiles in flight); what this module adds is the work list and the epilogues:
+
+* Work items: grid (column group, K split, slot). Slot s is the s-th expert that has rows;
+  each CTA finds its expert by scanning the offsets (one round of loads that hit L2, a
+  prefix count over the CTA), so the host never reads the offsets and the launch is
+  graph-capturable. Slots past the number of busy experts exit at once. The host launches
+  min(E, rows) slots: at decode (a few tokens x top-k) that is the touched experts only.
+* Rows: the mma's 8 activation columns take 8 rows of the expert; an expert with more rows
+  runs the K loop once per 8 rows (passes). MoE decode gives an expert 1..8 rows.
+* ``gate_up``: the weight is the fused [gate; up] = [2 I, K] of transformers' experts. A CTA
+  owns 64 outputs: warps 0-1 read their gate columns, warps 2-3 the same columns of up, so
+  one pass over the expert's weights gives both, and the epilogue writes SiLU(g) * u.
+* Split-K: as the GEMV, fp32 partials in a workspace (slot, group, pass, split, row, col) and
+  a self-resetting counter per (slot, group); the last CTA sums them in split order, so
+  results are bit-identical run to run.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+from cutlass.memory import SmemAllocator
+
+from ..format import TILE_K, TILE_N
+from ..layouts import weight_absmax_layout, weight_words_layout
+from .device_helpers import (
+    codebook_pair_lane,
+    codebook_x2_lane,
+    codebook_x2_pairs,
+    split_k_arrive,
+    sum_split_partials,
+)
+from .gemv import (
+    _DTYPES,
+    COLS_PER_GROUP,
+    MMA_N,
+    ROW_TILES,
+    STAGES,
+    WARPS,
+    GemvKernel,
+    gemv_mma,
+)
+
+ROWS_PER_PASS = MMA_N  # activation rows per mma: rows of an expert handled per K pass
+GATE_UP_COLS = COLS_PER_GROUP // 2  # outputs per CTA of the fused gate/up kernel
+_LOG2_E = 1.4426950408889634
+SCAN_PER_THREAD = 4  # experts each thread checks per round of the slot -> expert scan
+
+
+def cta_column_layout(gate_up: bool, intermediate: int = GATE_UP_COLS) -> cute.Layout:
+    """(mma row g, column half h, row tile r, warp w) -> weight column, relative to the CTA's
+    first column. Dense: the CTA's 128 columns, warp w the w-th 32. Gate/up: warps 0-1 take
+    64 gate columns, warps 2-3 the same columns of the up half, ``intermediate`` further on.
+
+    The kernel computes its columns from this layout; ``python -m layouts kernel moe`` draws it.
+    """
+    warp_mode = ((2, 2), (32, intermediate)) if gate_up else (WARPS, 32)
+    return cute.make_layout((8, 2, ROW_TILES, warp_mode[0]), stride=(1, 8, 16, warp_mode[1]))
+
+
+class GroupedGemvKernel(GemvKernel):
+    """Compile-time config: bits ``k``, activation dtype, ``gate_up`` (fused SiLU(g) * u)."""
+
+    def __init__(self, k: int, dtype: type[cutlass.Numeric], gate_up: bool, stages=None):
+        super().__init__(k, ROWS_PER_PASS, dtype, stages)
+        self.gate_up = gate_up
+        # Register cap through CTAs per SM: the pass loop costs the GEMV's code 30-70 more
+        # registers, which would leave 3 CTAs per SM; 4 fit without spills except for the
+        # gate/up epilogue (3: 168 registers).
+        # A deeper register ring than the GEMV's trades CTAs per SM for bytes in flight.
+        self.min_ctas_per_sm = 2 if self.stages > STAGES[k] else 3 if gate_up else 4
+
+    @cute.jit
+    def __call__(
+        self,
+        pA: cute.Pointer,  # (R, K) row-major, rows sorted by expert
+        pPacked: cute.Pointer,  # int32 (E, words per expert)
+        pAbsmax: cute.Pointer,  # uint8 (E, bytes per expert)
+        pCodebook: cute.Pointer,  # fp32 (2^k,)
+        pScale: cute.Pointer,  # fp32 (E,) per-expert scale
+        pOffsets: cute.Pointer,  # int32 (E + 1,) row ranges
+        pOut: cute.Pointer,  # (R, N_out) row-major: N_out = N, or N / 2 with gate_up
+        pWorkspace: cute.Pointer,  # fp32 (slots, groups, passes, splits, 8, 128) if splits > 1
+        pCounters: cute.Pointer,  # int32 (slots * groups,), zero; left zero
+        R: Int32,
+        N: Int32,  # weight rows (2 I with gate_up)
+        K: Int32,
+        E: Int32,
+        slots: Int32,
+        max_passes: Int32,  # workspace passes: ceil(max rows per expert / 8)
+        splits: Int32,
+        stream: cuda.CUstream,
+    ):
+        K = cute.assume(K, divby=32)
+        n_tiles = (N + TILE_N - 1) // TILE_N
+        k_tiles = (K + TILE_K - 1) // TILE_K
+        inter = N // 2
+        n_out = inter if cutlass.const_expr(self.gate_up) else N
+        groups = (
+            (inter + GATE_UP_COLS - 1) // GATE_UP_COLS
+            if cutlass.const_expr(self.gate_up)
+            else n_tiles
+        )
+        mW = cute.make_tensor(pPacked, weight_words_layout(n_tiles, k_tiles, self.k))
+        mS = cute.make_tensor(pAbsmax, weight_absmax_layout(n_tiles, k_tiles))
+        mA = cute.make_tensor(pA, cute.make_layout((R, K), stride=(K, 1)))
+        mOut = cute.make_tensor(pOut, cute.make_layout((R, n_out), stride=(n_out, 1)))
+        mOff = cute.make_tensor(pOffsets, cute.make_layout(E + 1))
+        mScale = cute.make_tensor(pScale, cute.make_layout(E))
+        self.kernel(
+            mA, mW, mS, pCodebook, mScale, mOff, mOut, pWorkspace, pCounters,
+            n_tiles, k_tiles, inter, groups, max_passes, splits,
+        ).launch(
+            grid=[groups, splits, slots], block=[self.threads, 1, 1], stream=stream,
+            min_blocks_per_mp=self.min_ctas_per_sm, preferred_smem_carveout=-1,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self,
+        mA: cute.Tensor,
+        mW: cute.Tensor,  # one expert's ((128, n_tiles), (2, k_tiles), k) -> word
+        mS: cute.Tensor,  # one expert's ((128, n_tiles), (2, k_tiles)) -> absmax byte
+        pCodebook: cute.Pointer,
+        mScale: cute.Tensor,
+        mOff: cute.Tensor,
+        mOut: cute.Tensor,
+        pWorkspace: cute.Pointer,
+        pCounters: cute.Pointer,
+        n_tiles: Int32,
+        k_tiles: Int32,
+        inter: Int32,
+        groups: Int32,
+        max_passes: Int32,
+        splits: Int32,
+    ):
+        k = self.k
+        tidx, _, _ = cute.arch.thread_idx()
+        group, split, slot = cute.arch.block_idx()
+        warp, lane = tidx // 32, tidx % 32
+        g, t = lane // 4, lane % 4
+
+        smem = SmemAllocator()
+        sFlag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
+        sScan = smem.allocate_tensor(Int32, cute.make_layout(WARPS + 3), byte_alignment=4)
+        # Gate/up exchange: warps 2-3 hand their (scaled) up values to warps 0-1.
+        sUp = smem.allocate_tensor(Float32, cute.make_layout((2 * 32, 8)), byte_alignment=16)
+
+        self.find_expert(mOff, slot, sScan)
+        expert = sScan[WARPS]
+        row_begin = sScan[WARPS + 1]
+        R = mA.shape[0]
+        rows = cutlass.max(cutlass.min(sScan[WARPS + 2], R - row_begin), 0)  # bad offsets
+        # Split-K partials have room for max_passes * 8 rows (the caller's bound); rows past
+        # it are written as NaN rather than silently left out.
+        done = rows
+        if splits > 1:
+            done = cutlass.min(rows, max_passes * ROWS_PER_PASS)
+        if expert >= 0:
+            if cutlass.const_expr(self.gate_up):
+                cta_col = group * GATE_UP_COLS
+                lay = cta_column_layout(True, inter)
+            else:
+                cta_col = group * COLS_PER_GROUP
+                lay = cta_column_layout(False)
+            col0 = cta_col + cute.crd2idx((g, 0, 0, warp), lay)
+            absmax_bytes = n_tiles * k_tiles * TILE_N * (TILE_K // 32)
+            words = absmax_bytes * k
+            mWe = cute.make_tensor(mW.iterator + Int64(expert) * Int64(words), mW.layout)
+            mSe = cute.make_tensor(mS.iterator + Int64(expert) * Int64(absmax_bytes), mS.layout)
+            scale = mScale[expert]
+            kt_begin = split * k_tiles // splits
+            kt_end = (split + 1) * k_tiles // splits
+
+            mCodebook = cute.make_tensor(pCodebook, cute.make_layout(1 << k))
+            if cutlass.const_expr(self.byte_tables):
+                codebook = codebook_x2_pairs(mCodebook, k, self.dtype)
+            elif cutlass.const_expr(self.lookup == "pair_shuffle"):
+                codebook = codebook_pair_lane(mCodebook, self.dtype)
+            else:
+                codebook = codebook_x2_lane(mCodebook, k, self.dtype)
+            half_select = cutlass.Uint32(0x5410) + cutlass.Uint32(t % 2) * cutlass.Uint32(0x2222)
+
+            atom, tiled_mma = gemv_mma(self.dtype)
+            acc = [
+                tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((16, MMA_N)))
+                for _ in range(ROW_TILES)
+            ]
+            frag_a = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((16, 16)))
+            frag_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((MMA_N, 16)))
+            S = self.stages
+            bufs = [self.make_buffers() for _ in range(S)]
+            mWs = cute.make_tensor(
+                pWorkspace,
+                cute.make_layout(
+                    (COLS_PER_GROUP, ROWS_PER_PASS, splits, max_passes),
+                    stride=(
+                        1,
+                        COLS_PER_GROUP,
+                        ROWS_PER_PASS * COLS_PER_GROUP,
+                        splits * ROWS_PER_PASS * COLS_PER_GROUP,
+                    ),
+                ),  # fmt: skip
+            )
+            ws_item = (slot * groups + group) * max_passes * splits * ROWS_PER_PASS * COLS_PER_GROUP
+            mWs = cute.make_tensor(mWs.iterator + ws_item, mWs.layout)
+
+            for p in cutlass.range((done + ROWS_PER_PASS - 1) // ROWS_PER_PASS, unroll=1):
+                for r in cutlass.range_constexpr(ROW_TILES):
+                    acc[r].fill(0.0)
+                left = done - p * ROWS_PER_PASS
+                row = row_begin + p * ROWS_PER_PASS + cutlass.min(g, left - 1)
+                for b in cutlass.range_constexpr(S - 1):
+                    if kt_begin + b < kt_end:
+                        self.load_tile(mA, mWe, mSe, col0, row, t, kt_begin + b, bufs[b])
+                for kt in cutlass.range(kt_begin, kt_end, S, unroll=1):
+                    for b in cutlass.range_constexpr(S):
+                        if kt + b < kt_end:
+                            if kt + b + S - 1 < kt_end:
+                                nxt = bufs[(b + S - 1) % S]
+                                self.load_tile(mA, mWe, mSe, col0, row, t, kt + b + S - 1, nxt)
+                            self.mma_tile(bufs[b], codebook, half_select, atom, frag_a, frag_b, acc)
+                self.pass_epilogue(
+                    acc, scale, mOut, mWs, sUp, splits, p, row_begin, left, cta_col, t
+                )
+
+            if splits > 1:
+                if split_k_arrive(pCounters + slot * groups + group, splits, sFlag) != 0:
+                    self.reduce_splits(mWs, scale, mOut, sFlag, splits, done, row_begin, cta_col)
+                if split == 0 and rows > done:
+                    self.poison_rows(mOut, row_begin + done, rows - done, cta_col)
+
+    @cute.jit
+    def find_expert(self, mOff: cute.Tensor, slot: Int32, sScan: cute.Tensor):
+        """sScan[W..W+2] = (expert, first row, rows) of the slot-th expert with rows, or
+        expert -1. Each round, every thread checks SCAN_PER_THREAD consecutive experts; a
+        prefix count over the CTA ranks the busy ones."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp, lane = tidx // 32, tidx % 32
+        E = cute.size(mOff) - 1
+        per_round = self.threads * SCAN_PER_THREAD
+        if tidx == 0:
+            sScan[WARPS] = Int32(-1)
+        base = Int32(0)  # busy experts before this round
+        for first in cutlass.range(0, E, per_round, unroll=1):
+            e0 = first + tidx * SCAN_PER_THREAD
+            bounds = [mOff[cutlass.min(e0 + j, E)] for j in range(SCAN_PER_THREAD + 1)]
+            busy = [
+                Int32((e0 + j < E) & (bounds[j + 1] > bounds[j])) for j in range(SCAN_PER_THREAD)
+            ]
+            mine = busy[0]
+            for j in cutlass.range_constexpr(1, SCAN_PER_THREAD):
+                mine = mine + busy[j]
+            incl = mine  # inclusive prefix over the warp
+            for step in cutlass.range_constexpr(5):
+                d = 1 << step
+                other = cute.arch.shuffle_sync_up(incl, d)
+                if lane >= d:
+                    incl = incl + other
+            if lane == 31:
+                sScan[warp] = incl
+            cute.arch.sync_threads()
+            before = base + incl - mine
+            total = Int32(0)
+            for w in cutlass.range_constexpr(WARPS):
+                n_w = sScan[w]
+                total = total + n_w
+                if w < warp:
+                    before = before + n_w
+            rank = before
+            for j in cutlass.range_constexpr(SCAN_PER_THREAD):
+                if busy[j] != 0:
+                    if rank == slot:
+                        sScan[WARPS] = e0 + j
+                        sScan[WARPS + 1] = bounds[j]
+                        sScan[WARPS + 2] = bounds[j + 1] - bounds[j]
+                    rank = rank + 1
+            base = base + total
+            cute.arch.sync_threads()  # the warp totals are read before the next round
+
+    @cute.jit
+    def pass_epilogue(self, acc, scale, mOut, mWs, sUp, splits, p, row_begin, left, cta_col, t):
+        """One pass's 8 rows: acc[r][i] is CTA column layout (g, i // 2, r, warp), row
+        2 t + i % 2 of the pass. Stored (scaled) when unsplit, else written as partials."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp, lane = tidx // 32, tidx % 32
+        g = lane // 4
+        _, split, _ = cute.arch.block_idx()
+        if splits > 1:
+            for r in cutlass.range_constexpr(ROW_TILES):
+                for i in cutlass.range_constexpr(4):
+                    c = warp * 32 + g + 16 * r + 8 * (i // 2)  # CTA-local column
+                    mWs[c, 2 * t + i % 2, split, p] = acc[r][i]
+        elif cutlass.const_expr(self.gate_up):
+            if warp >= 2:
+                for r in cutlass.range_constexpr(ROW_TILES):
+                    for i in cutlass.range_constexpr(4):
+                        sUp[(warp - 2) * 32 + lane, 4 * r + i] = acc[r][i]
+            cute.arch.sync_threads()
+            if warp < 2:
+                for r in cutlass.range_constexpr(ROW_TILES):
+                    for i in cutlass.range_constexpr(4):
+                        c = warp * 32 + g + 16 * r + 8 * (i // 2)
+                        up = sUp[warp * 32 + lane, 4 * r + i]
+                        self.store_row(
+                            acc[r][i], up, scale, mOut, row_begin, p, 2 * t + i % 2, left,
+                            cta_col + c,
+                        )  # fmt: skip
+            cute.arch.sync_threads()  # sUp is rewritten by the next pass
+        else:
+            for r in cutlass.range_constexpr(ROW_TILES):
+                for i in cutlass.range_constexpr(4):
+                    c = warp * 32 + g + 16 * r + 8 * (i // 2)
+                    self.store_row(
+                        acc[r][i], Float32(0.0), scale, mOut, row_begin, p, 2 * t + i % 2,
+                        left, cta_col + c,
+                    )  # fmt: skip
+
+    @cute.jit
+    def store_row(self, v, up, scale, mOut, row_begin, p, m, left, col):
+        """out[row_begin + 8 p + m, col] from the accumulated v (gate_up: and up), if m is
+        one of the expert's rows and col inside the output."""
+        R, n_out = mOut.shape
+        if m < left and col < n_out:
+            r = v * scale
+            if cutlass.const_expr(self.gate_up):
+                e = cute.math.exp2(r * Float32(-_LOG2_E), fastmath=True)
+                r = r / (Float32(1.0) + e)  # SiLU
+                r = r * (up * scale)
+            mOut[row_begin + p * ROWS_PER_PASS + m, col] = self.dtype(r)
+
+    @cute.jit
+    def poison_rows(self, mOut, first, n, cta_col):
+        """NaN into rows first..first + n of the CTA's outputs (rows the bound left out)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        R, n_out = mOut.shape
+        cols = GATE_UP_COLS if cutlass.const_expr(self.gate_up) else COLS_PER_GROUP
+        for o in cutlass.range(tidx, n * cols, self.threads, unroll=1):
+            col = cta_col + o % cols
+            if col < n_out:
+                mOut[first + o // cols, col] = self.dtype(Float32(float("nan")))
+
+    @cute.jit
+    def reduce_splits(self, mWs, scale, mOut, sFlag, splits, rows, row_begin, cta_col):
+        """The last CTA of a work item: sum every split's partials in split order and store."""
+        tidx, _, _ = cute.arch.thread_idx()
+        cols = GATE_UP_COLS if cutlass.const_expr(self.gate_up) else COLS_PER_GROUP
+        for o in cutlass.range(tidx, rows * cols, self.threads, unroll=1):
+            c, m = o % cols, o // cols
+            p, mp = m // ROWS_PER_PASS, m % ROWS_PER_PASS
+            stride = cute.crd2idx((0, 0, 1, 0), mWs.layout)
+            v = sum_split_partials(mWs.iterator + cute.crd2idx((c, mp, 0, p), mWs.layout),
+                                   stride, splits)  # fmt: skip
+            up = Float32(0.0)
+            if cutlass.const_expr(self.gate_up):
+                up = sum_split_partials(
+                    mWs.iterator + cute.crd2idx((c + GATE_UP_COLS, mp, 0, p), mWs.layout),
+                    stride,
+                    splits,
+                )
+            self.store_row(v, up, scale, mOut, row_begin, p, mp, rows - p * ROWS_PER_PASS,
+                           cta_col + c)  # fmt: skip
+
+
+def grouped_gemv_spec(k: int, dtype: str, gate_up: bool, stages: int | None = None):
+    """The compiled variant of ``GroupedGemvKernel`` (bits, dtype name, fused gate/up)."""
+    from ..compile import KernelSpec, fake_ptr, fake_stream
+
+    def build():
+        dt = _DTYPES[dtype]
+        args = (
+            fake_ptr(dt), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Uint8),
+            fake_ptr(cutlass.Float32), fake_ptr(cutlass.Float32, 4), fake_ptr(cutlass.Int32, 4),
+            fake_ptr(dt, 2), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int32, 4),
+            Int32(1), Int32(128), Int32(64), Int32(1), Int32(1), Int32(1), Int32(1),
+            fake_stream(),
+        )  # fmt: skip
+        return GroupedGemvKernel(k, dt, gate_up, stages), args
+
+    kind = "gate_up" if gate_up else "down"
+    suffix = f"_s{stages}" if stages else ""
+    return KernelSpec(
+        f"grouped_gemv_{kind}_k{k}_{dtype}{suffix}", build, expect=("LDG.E.128", "HMMA")
+    )
+
+
+def specs():
+    return [
+        grouped_gemv_spec(k, d, gu) for k in (2, 3, 4, 5) for d in _DTYPES for gu in (False, True)
+    ]
