@@ -218,11 +218,14 @@ class GemvKernel:
 
     @cute.jit
     def load_tile(self, mA, mW, mS, col0, row, t, kt, buf):
+        """Load K tile kt of the thread's columns col0 + 8 j (one repack tile holds all
+        four: the column is split into (column in tile, tile) once, not per column)."""
         rW, rS, rA = buf
         k = self.k
         kb = kt * BLOCKS_PER_TILE_K + t // 2
+        in_tile, n_tile = col0 % TILE_N, col0 // TILE_N
         for j in cutlass.range_constexpr(2 * ROW_TILES):  # column col0 + 8 j
-            col = col0 + 8 * j
+            col = (in_tile + 8 * j, n_tile)
             # The k plane words of (column, block) are contiguous ([col][kb][bit] order).
             w_off = cute.assume(cute.crd2idx((col, kb, 0), mW.layout), divby=k if k % 2 == 0 else 1)
             cute.autovec_copy(

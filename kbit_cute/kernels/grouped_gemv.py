@@ -71,11 +71,10 @@ class GroupedGemvKernel(GemvKernel):
     def __init__(self, k: int, dtype: type[cutlass.Numeric], gate_up: bool, stages=None):
         super().__init__(k, ROWS_PER_PASS, dtype, stages)
         self.gate_up = gate_up
-        # Register cap through CTAs per SM: the pass loop costs the GEMV's code 30-70 more
-        # registers, which would leave 3 CTAs per SM; 4 fit without spills except for the
-        # gate/up epilogue (3: 168 registers).
-        # A deeper register ring than the GEMV's trades CTAs per SM for bytes in flight.
-        self.min_ctas_per_sm = 2 if self.stages > STAGES[k] else 3 if gate_up else 4
+        # Register cap through CTAs per SM: 4 (128 registers) fit the GEMV's loop plus the
+        # pass loop and the expert scan without spills for k <= 4 (k = 5: 3); a deeper
+        # ring than the GEMV's trades CTAs per SM for bytes in flight.
+        self.min_ctas_per_sm = 2 if self.stages > STAGES[k] else 4 if k <= 4 else 3
 
     @cute.jit
     def __call__(
@@ -150,8 +149,13 @@ class GroupedGemvKernel(GemvKernel):
         smem = SmemAllocator()
         sFlag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
         sScan = smem.allocate_tensor(Int32, cute.make_layout(WARPS + 3), byte_alignment=4)
-        # Gate/up exchange: warps 2-3 hand their (scaled) up values to warps 0-1.
-        sUp = smem.allocate_tensor(Float32, cute.make_layout((2 * 32, 8)), byte_alignment=16)
+        # One pass's outputs (rows x CTA columns) on their way to coalesced stores. Row
+        # stride 132: the mma fragment's writes (8 columns x 4 row pairs) hit 32 banks.
+        sOut = smem.allocate_tensor(
+            Float32,
+            cute.make_layout((ROWS_PER_PASS, COLS_PER_GROUP), stride=(COLS_PER_GROUP + 4, 1)),
+            byte_alignment=16,
+        )
 
         self.find_expert(mOff, slot, sScan)
         expert = sScan[WARPS]
@@ -228,7 +232,7 @@ class GroupedGemvKernel(GemvKernel):
                                 self.load_tile(mA, mWe, mSe, col0, row, t, kt + b + S - 1, nxt)
                             self.mma_tile(bufs[b], codebook, half_select, atom, frag_a, frag_b, acc)
                 self.pass_epilogue(
-                    acc, scale, mOut, mWs, sUp, splits, p, row_begin, left, cta_col, t
+                    acc, scale, mOut, mWs, sOut, splits, p, row_begin, left, cta_col, t
                 )
 
             if splits > 1:
@@ -286,42 +290,33 @@ class GroupedGemvKernel(GemvKernel):
             cute.arch.sync_threads()  # the warp totals are read before the next round
 
     @cute.jit
-    def pass_epilogue(self, acc, scale, mOut, mWs, sUp, splits, p, row_begin, left, cta_col, t):
+    def pass_epilogue(self, acc, scale, mOut, mWs, sOut, splits, p, row_begin, left, cta_col, t):
         """One pass's 8 rows: acc[r][i] is CTA column layout (g, i // 2, r, warp), row
-        2 t + i % 2 of the pass. Stored (scaled) when unsplit, else written as partials."""
+        2 t + i % 2 of the pass. Unsplit: through shared memory to row-contiguous stores
+        (and, for gate/up, to the thread that pairs a gate column with its up column);
+        split: fp32 partials to the workspace."""
         tidx, _, _ = cute.arch.thread_idx()
         warp, lane = tidx // 32, tidx % 32
         g = lane // 4
         _, split, _ = cute.arch.block_idx()
-        if splits > 1:
-            for r in cutlass.range_constexpr(ROW_TILES):
-                for i in cutlass.range_constexpr(4):
-                    c = warp * 32 + g + 16 * r + 8 * (i // 2)  # CTA-local column
+        for r in cutlass.range_constexpr(ROW_TILES):
+            for i in cutlass.range_constexpr(4):
+                c = warp * 32 + g + 16 * r + 8 * (i // 2)  # CTA-local column
+                if splits > 1:
                     mWs[c, 2 * t + i % 2, split, p] = acc[r][i]
-        elif cutlass.const_expr(self.gate_up):
-            if warp >= 2:
-                for r in cutlass.range_constexpr(ROW_TILES):
-                    for i in cutlass.range_constexpr(4):
-                        sUp[(warp - 2) * 32 + lane, 4 * r + i] = acc[r][i]
+                else:
+                    sOut[2 * t + i % 2, c] = acc[r][i]
+        if splits == 1:
             cute.arch.sync_threads()
-            if warp < 2:
-                for r in cutlass.range_constexpr(ROW_TILES):
-                    for i in cutlass.range_constexpr(4):
-                        c = warp * 32 + g + 16 * r + 8 * (i // 2)
-                        up = sUp[warp * 32 + lane, 4 * r + i]
-                        self.store_row(
-                            acc[r][i], up, scale, mOut, row_begin, p, 2 * t + i % 2, left,
-                            cta_col + c,
-                        )  # fmt: skip
-            cute.arch.sync_threads()  # sUp is rewritten by the next pass
-        else:
-            for r in cutlass.range_constexpr(ROW_TILES):
-                for i in cutlass.range_constexpr(4):
-                    c = warp * 32 + g + 16 * r + 8 * (i // 2)
-                    self.store_row(
-                        acc[r][i], Float32(0.0), scale, mOut, row_begin, p, 2 * t + i % 2,
-                        left, cta_col + c,
-                    )  # fmt: skip
+            cols = GATE_UP_COLS if cutlass.const_expr(self.gate_up) else COLS_PER_GROUP
+            for j in cutlass.range_constexpr(ROWS_PER_PASS * cols // self.threads):
+                o = tidx + j * self.threads
+                m, c = o // cols, o % cols
+                up = Float32(0.0)
+                if cutlass.const_expr(self.gate_up):
+                    up = sOut[m, c + GATE_UP_COLS]
+                self.store_row(sOut[m, c], up, scale, mOut, row_begin, p, m, left, cta_col + c)
+            cute.arch.sync_threads()  # sOut is rewritten by the next pass
 
     @cute.jit
     def store_row(self, v, up, scale, mOut, row_begin, p, m, left, col):
