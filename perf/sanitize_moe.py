@@ -1,0 +1,34 @@
+"""Grouped expert kernel calls per k that exercise every path (idle experts, an expert with
+more than 8 rows, split-K with several passes, the fused gate/up epilogue), for
+``compute-sanitizer --tool memcheck|racecheck python -m perf.sanitize_moe``."""
+
+from __future__ import annotations
+
+import torch
+
+from kbit_cute.experts import quantize_experts
+from kbit_cute.grouped_ops import _grouped
+from kbit_cute.moe import sort_by_expert
+from perf.moe_kernel_check import random_routing
+
+
+def main() -> None:
+    E, top_k, H, inter = 16, 4, 320, 192  # K = 320: a partial K tile
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for k in (2, 3, 4, 5):
+        gate_up = quantize_experts(torch.randn(E, 2 * inter, H, device="cuda"), k)
+        down = quantize_experts(torch.randn(E, H, inter, device="cuda"), k)
+        for T, crowd, dtype in ((1, False, torch.float16), (20, True, torch.bfloat16)):
+            order, offsets = sort_by_expert(random_routing(T, E, top_k, gen, crowd), E)
+            A = torch.randn(T, H, device="cuda", dtype=dtype)[order // top_k]
+            h = torch.empty(T * top_k, inter, device="cuda", dtype=dtype)
+            y = torch.empty(T * top_k, H, device="cuda", dtype=dtype)
+            for splits in (1, 2):
+                _grouped(True, A, gate_up, offsets, h, T, splits)
+                _grouped(False, h, down, offsets, y, T, splits)
+    torch.cuda.synchronize()
+    print("sanitize_moe: done")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""Grouped expert kernels (grouped_gemm, moe_gate_up) and KbitMoE on the GPU against a
+per-expert float32 reference of the dequantized weights; CUDA graphs replayed with new
+routings."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kbit_cute
+from kbit_cute.experts import dequantize_experts, quantize_experts
+from kbit_cute.grouped_ops import grouped_gemm, moe_gate_up
+from kbit_cute.moe import KbitMoE, route, sort_by_expert
+
+pytestmark = pytest.mark.gpu
+KS = (2, 3, 4, 5)
+DTYPES = (torch.float16, torch.bfloat16)
+TOL = {torch.float16: 1e-3, torch.bfloat16: 8e-3}  # test_gpu_gemv's, for grouped_gemm
+# moe_gate_up rounds SiLU(g) * u, a product of two matmuls; the whole layer chains three
+# rounded results (gate/up, down, shared expert) and the output.
+GATE_UP_TOL = {d: 2 * t for d, t in TOL.items()}
+MOE_TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
+# (E, top_k, H, I): small shapes with the real expert counts, and Qwen3-Coder-Next itself.
+CONFIGS = {"e512": (512, 10, 256, 128), "e64": (64, 6, 256, 128)}
+QWEN3_CODER_NEXT = (512, 10, 2048, 512)
+
+
+def rel_err(got, ref):
+    return ((got.float() - ref).norm() / ref.norm()).item()
+
+
+class _Bank:
+    """Quantized (gate_up [E, 2I, H], down [E, H, I]) experts per (E, H, I, k), made on first
+    use from fresh random data each session; small ones also keep their dense fp32 copies."""
+
+    def __init__(self):
+        seed = int.from_bytes(os.urandom(4), "little")
+        print(f"experts seed={seed}")
+        self.gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.cache = {}
+
+    def randn(self, *shape):
+        w = torch.randn(*shape, device="cuda", generator=self.gen, dtype=torch.bfloat16)
+        return w.mul_(shape[-1] ** -0.5)
+
+    def __call__(self, E, H, inter, k):
+        key = (E, H, inter, k)
+        if key not in self.cache:
+            gu = quantize_experts(self.randn(E, 2 * inter, H), k)
+            down = quantize_experts(self.randn(E, H, inter), k)
+            dense = None
+            if E * inter * H <= 1 << 25:
+                dense = tuple(dequantize_experts(ex, torch.float32) for ex in (gu, down))
+            self.cache[key] = (gu, down, dense)
+        return self.cache[key]
+
+
+@pytest.fixture(scope="module")
+def bank():
+    b = _Bank()
+    yield b
+    b.cache.clear()
+
+
+def make_ids(T, E, top_k, kind, gen):
+    """[T, top_k] distinct experts per token. random: top-k of uniform scores; hot: expert
+    E-1 for every token (T rows, the bound) plus experts from the first 2 top_k (most experts
+    get no token); one: top_k = 1, every token on expert E-1 (the only busy expert)."""
+    if kind == "random":
+        return torch.rand(T, E, generator=gen).topk(top_k, dim=1).indices
+    if kind == "one":
+        return torch.full((T, 1), E - 1, dtype=torch.int64)
+    rest = torch.rand(T, 2 * top_k, generator=gen).topk(top_k - 1, dim=1).indices
+    return torch.cat([torch.full((T, 1), E - 1, dtype=torch.int64), rest], dim=1)
+
+
+def reference(A, ex, offsets, gate_up, dense=None):
+    """float32 out [R, N or N/2], expert by expert from the dequantized weights."""
+    bounds = offsets.tolist()
+    out = torch.zeros(A.shape[0], ex.N // 2 if gate_up else ex.N, device=A.device)
+    for e in range(ex.E):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            W = dense[e] if dense is not None else kbit_cute.dequantize(ex.expert(e), torch.float32)
+            y = A[lo:hi].float() @ W.T
+            if gate_up:
+                g, u = y.chunk(2, dim=-1)
+                y = F.silu(g) * u
+            out[lo:hi] = y
+    return out
+
+
+def check_both_ops(E, top_k, H, inter, k, T, dtype, kind, gen, bank, bound="T"):
+    """moe_gate_up on tokens gathered in expert order, grouped_gemm on [R, I] rows, both into
+    NaN-poisoned outputs, against the reference."""
+    gu, down, dense = bank(E, H, inter, k)
+    ids = make_ids(T, E, top_k, kind, gen)
+    order, offsets = sort_by_expert(ids.cuda(), E)
+    order_cpu, offsets_cpu = sort_by_expert(ids, E)
+    assert torch.equal(order.cpu(), order_cpu) and torch.equal(offsets.cpu(), offsets_cpu)
+    max_rows = {"T": T, "none": None, "2T": 2 * T}[bound]
+    R = ids.numel()
+    x = torch.randn(T, H, generator=gen).to("cuda", dtype)
+    A_gu = x[order // ids.shape[1]]
+    A_down = torch.randn(R, inter, generator=gen).to("cuda", dtype)
+    for op, A, ex, gate_up, tol in (
+        (moe_gate_up, A_gu, gu, True, GATE_UP_TOL[dtype]),
+        (grouped_gemm, A_down, down, False, TOL[dtype]),
+    ):
+        out = torch.full((R, ex.N // 2 if gate_up else ex.N), float("nan"), device="cuda",
+                         dtype=dtype)  # fmt: skip
+        got = op(A, ex, offsets, out=out, max_rows_per_expert=max_rows)
+        assert got.data_ptr() == out.data_ptr()
+        assert not torch.isnan(out).any(), f"{op.__name__}: an output element was not written"
+        d = None if dense is None else dense[0 if gate_up else 1]
+        err = rel_err(out, reference(A, ex, offsets, gate_up, d))
+        assert err < tol, (op.__name__, err)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("T", (1, 4, 16, 64, 512))
+@pytest.mark.parametrize("config", ("e512", "e64"))
+def test_grouped_ops_match_reference(config, T, k, dtype, gen, bank):
+    check_both_ops(*CONFIGS[config], k, T, dtype, "random", gen, bank)
+
+
+@pytest.mark.parametrize("kind", ("hot", "one"))
+@pytest.mark.parametrize("k", (3, 4))
+@pytest.mark.parametrize("T", (4, 512))
+def test_hot_expert_and_idle_experts(T, k, kind, gen, bank):
+    E, top_k, H, inter = CONFIGS["e512"]
+    check_both_ops(E, 1 if kind == "one" else top_k, H, inter, k, T, torch.bfloat16, kind,
+                   gen, bank)  # fmt: skip
+
+
+@pytest.mark.parametrize("bound", ("none", "T", "2T"))
+@pytest.mark.parametrize("T", (4, 64))
+def test_max_rows_per_expert_given_or_not(T, bound, gen, bank):
+    check_both_ops(*CONFIGS["e64"], 4, T, torch.float16, "hot", gen, bank, bound=bound)
+
+
+QWEN_CASES = [(T, 4, d) for T in (1, 4, 16, 64) for d in DTYPES]
+QWEN_CASES += [(16, k, torch.bfloat16) for k in (2, 3, 5)]
+
+
+@pytest.mark.parametrize("T,k,dtype", QWEN_CASES)
+def test_qwen3_coder_next_shape(T, k, dtype, gen, bank):
+    check_both_ops(*QWEN3_CODER_NEXT, k, T, dtype, "random", gen, bank)
+
+
+def test_no_rows(bank):
+    E, top_k, H, inter = CONFIGS["e64"]
+    gu, down, _ = bank(E, H, inter, 4)
+    offsets = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
+    h = moe_gate_up(torch.empty(0, H, device="cuda", dtype=torch.float16), gu, offsets)
+    y = grouped_gemm(h, down, offsets)
+    assert h.shape == (0, inter) and y.shape == (0, H)
+
+
+# --------------------------------------------------------------------------- KbitMoE
+
+
+def build_moe(E, top_k, H, inter, k, dtype, gen, shared=256):
+    def randn(*shape):
+        return (torch.randn(*shape, generator=gen) * shape[-1] ** -0.5).to("cuda", dtype)
+
+    return KbitMoE.from_experts(
+        randn(E, 2 * inter, H), randn(E, H, inter), randn(E, H), top_k, k,
+        shared=(randn(shared, H), randn(shared, H), randn(H, shared)), shared_gate=randn(1, H),
+    )  # fmt: skip
+
+
+def moe_reference(m, x):
+    """float32: each expert's tokens through its dequantized weights, weighted, plus the
+    shared expert; routing from the module's own router (the same logits as its forward)."""
+    x2 = x.reshape(-1, m.hidden_size)
+    weights, ids = route(m.router(x2), m.top_k, m.normalize)
+    Wgu = dequantize_experts(m.gate_up.weight, torch.float32)
+    Wd = dequantize_experts(m.down.weight, torch.float32)
+    xf = x2.float()
+    out = torch.zeros_like(xf)
+    for e in ids.unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        g, u = (xf[tok] @ Wgu[e].T).chunk(2, dim=-1)
+        out.index_add_(0, tok, (F.silu(g) * u) @ Wd[e].T * weights[tok, slot].unsqueeze(1))
+    se = m.shared_expert
+    Wg, Wu, Wdn = (kbit_cute.dequantize(lin.weight, torch.float32) for lin in
+                   (se.gate_proj, se.up_proj, se.down_proj))  # fmt: skip
+    shared = (F.silu(xf @ Wg.T) * (xf @ Wu.T)) @ Wdn.T
+    out += shared * torch.sigmoid(xf @ m.shared_expert_gate.weight.float().T)
+    return out.view(x.shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("T", (1, 16, 64))
+def test_kbit_moe_forward_matches_reference(T, k, dtype, gen):
+    m = build_moe(*CONFIGS["e64"], k, dtype, gen)
+    x = torch.randn(T, 256, generator=gen).to("cuda", dtype)
+    got = m(x)
+    assert got.shape == x.shape and got.dtype == dtype and not torch.isnan(got).any()
+    assert rel_err(got, moe_reference(m, x)) < MOE_TOL[dtype]
+
+
+@pytest.mark.parametrize("config", ("e64", "e512"))
+def test_kbit_moe_cuda_graph_replays_new_routings(config, gen):
+    """One captured forward replayed with new tokens and a new router copied into its static
+    inputs: each replay matches the eager forward and the reference. The eager forward also
+    runs under sync debug mode "error": no host synchronization."""
+    E, top_k, H, inter = CONFIGS[config]
+    T, dtype = 16, torch.bfloat16
+    m = build_moe(E, top_k, H, inter, 4, dtype, gen)
+    router = m.router.weight
+    hot = torch.zeros_like(router)
+    hot[E - top_k :] = 0.1  # with positive tokens, every token picks the last top_k experts
+    cases = [  # (tokens, router weight)
+        (torch.randn(T, H, generator=gen), router.detach().clone()),
+        (torch.randn(T, H, generator=gen), router.detach().clone()),
+        (torch.rand(T, H, generator=gen) + 0.5, hot),
+        (torch.randn(T, H, generator=gen), router.detach().clone()),
+    ]
+    x = cases[0][0].to("cuda", dtype)
+    m(x)  # warm-up: compile and load the kernels, allocate the workspaces
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        m(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = m(x)
+    used = []
+    for tokens, weight in cases:
+        x.copy_(tokens.to(dtype))
+        with torch.no_grad():
+            router.copy_(weight)
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        used.append(frozenset(route(m.router(x), top_k)[1].unique().tolist()))
+        # Not torch.equal: cuBLAS may pick another router kernel under capture.
+        assert rel_err(y, m(x).float()) < 1e-3, "a replay differs from the eager forward"
+        assert rel_err(y, moe_reference(m, x)) < MOE_TOL[dtype]
+    assert used[2] == frozenset(range(E - top_k, E)) and len(set(used)) >= 3
+
+
+def test_grouped_ops_cuda_graph_replays_new_offsets(gen, bank):
+    """moe_gate_up and grouped_gemm captured once, replayed with new rows and offsets."""
+    E, top_k, H, inter = CONFIGS["e512"]
+    T, k, dtype = 16, 3, torch.float16
+    gu, down, (Wgu, Wd) = bank(E, H, inter, k)
+    R = T * top_k
+    A_gu = torch.empty(R, H, device="cuda", dtype=dtype)
+    A_down = torch.empty(R, inter, device="cuda", dtype=dtype)
+    offsets = torch.empty(E + 1, device="cuda", dtype=torch.int32)
+    h = torch.empty(R, inter, device="cuda", dtype=dtype)
+    y = torch.empty(R, H, device="cuda", dtype=dtype)
+
+    def load(kind):
+        A_gu.copy_(torch.randn(R, H, generator=gen))
+        A_down.copy_(torch.randn(R, inter, generator=gen))
+        offsets.copy_(sort_by_expert(make_ids(T, E, top_k, kind, gen), E)[1])
+
+    def step():
+        moe_gate_up(A_gu, gu, offsets, out=h, max_rows_per_expert=T)
+        grouped_gemm(A_down, down, offsets, out=y, max_rows_per_expert=T)
+
+    load("random")
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for kind in ("hot", "random", "hot", "random"):
+        load(kind)
+        h.fill_(float("nan"))
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(h, moe_gate_up(A_gu, gu, offsets, max_rows_per_expert=T)), kind
+        assert torch.equal(y, grouped_gemm(A_down, down, offsets, max_rows_per_expert=T)), kind
+        assert rel_err(h, reference(A_gu, gu, offsets, True, Wgu)) < GATE_UP_TOL[dtype]
+        assert rel_err(y, reference(A_down, down, offsets, False, Wd)) < TOL[dtype]
