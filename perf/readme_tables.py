@@ -65,6 +65,21 @@ def render_section(coll: dict, results_rel: str = "perf/results") -> str:
     target = plot_target(coll)
     if target is not None:
         out += [f"![speedup vs cuBLAS, {target[1]}]({results_rel}/{PLOT.name})", ""]
+    for run in _runs(coll, "moe"):
+        from perf.moe import summary_table
+
+        h, rows = summary_table(run)
+        out += [
+            f"**MoE layer** (Qwen3-Coder-Next, GLM-4.7-Flash, DeepSeek-V2-Lite experts, "
+            f"{run['config']['dtype']}: `moe_gate_up` + `grouped_gemm` vs bf16 "
+            "`torch._grouped_mm` and a per-expert `F.linear` loop on the same routing, "
+            "L2-cold, CUDA graphs; KbitMoE = the whole layer with routing and shared experts)",
+            "",
+            tables.run_header(run),
+            "",
+            tables.md_table(h, rows),
+            "",
+        ]
     for run in _runs(coll, "decode"):
         h, rows = tables.decode_table(run)
         out += [
