@@ -5,7 +5,7 @@ bank maps are plain dataclasses (what the tests check), and ``layouts.draw`` /
 ``layouts.text`` only render them.
 """
 
-from .banks import BankPhase, bank_phases, conflict_ways, smem_phases
+from .banks import BankPhase, access_phases, bank_phases, conflict_ways, smem_phases
 from .grid import OffsetGrid, TvGrid, offset_grid, tv_grid
 from .kernel import NotRegistered, View, kernel_views, layout_view
 from .parse import LayoutParseError, LayoutSpec, parse_layout
@@ -22,6 +22,7 @@ __all__ = [
     "TileView",
     "TvGrid",
     "View",
+    "access_phases",
     "bank_phases",
     "conflict_ways",
     "evaluate",

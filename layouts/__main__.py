@@ -2,7 +2,7 @@
 
     python -m layouts tile --k 4 [--tile KT,NT] [--weight N,K] [--word W]
     python -m layouts show "((4,2),8):((1,32),4)" [--tv M,N | --banks [--elem-bytes B --vec V]]
-    python -m layouts kernel gemv|gemm|moe --k 4
+    python -m layouts kernel gemv|gemm|moe --k 4 [--config NAME] [--only REGEX]
 
 Every subcommand takes ``--format svg|png|text`` (text goes to stdout, colored on a
 terminal) and ``--out DIR`` for the pictures.
@@ -81,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     kernel = sub.add_parser("kernel", parents=[common], help="a kernel's registered layouts")
     kernel.add_argument("kind", choices=KINDS)
     kernel.add_argument("--k", type=int, default=4, choices=(2, 3, 4, 5), help="bits per weight")
+    kernel.add_argument(
+        "--config",
+        help="gemm: a GemmConfig name, e.g. m64n128k64s3w1x4 (default: the dispatch table's "
+        "smallest-M one); moe: gate_up, gate_up:I (I = intermediate size to draw) or down",
+    )
+    kernel.add_argument("--only", metavar="REGEX", help="only the layouts whose name matches")
     return parser
 
 
@@ -128,11 +134,15 @@ def _show(args: argparse.Namespace, color: bool) -> list[tuple[str, object]]:
 
 
 def _kernel(args: argparse.Namespace, color: bool) -> list[tuple[str, object]]:
-    views = kernel_views(args.kind, args.k)
+    """Notes (views with nothing to draw) come back as (name, text) in every format."""
+    views = kernel_views(args.kind, args.k, args.config, args.only)
     if args.format == "text":
         return [("", f"== {v.name}\n{v.text(color)}") for v in views]
-    prefix = args.name or f"kernel_{args.kind}_k{args.k}"
-    return [(f"{prefix}_{_stem(v.name)}", v.figure()) for v in views]
+    cfg = f"_{_stem(args.config)}" if args.config else ""
+    prefix = args.name or f"kernel_{args.kind}_k{args.k}{cfg}"
+    return [
+        (v.name, v.data) if v.is_note else (f"{prefix}_{_stem(v.name)}", v.figure()) for v in views
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -151,7 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     for stem, fig in results:
-        print(save(fig, args.out / f"{stem}.{args.format}"))
+        if isinstance(fig, str):  # a note: nothing to draw, say so
+            print(f"{stem}: {fig}")
+        else:
+            print(save(fig, args.out / f"{stem}.{args.format}"))
     return 0
 
 

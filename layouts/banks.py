@@ -36,21 +36,26 @@ class BankPhase:
 
 
 def bank_phases(
-    addresses: Sequence[int], access_bytes: int = 4, label: str = ""
+    addresses: Sequence[int | None], access_bytes: int = 4, label: str = ""
 ) -> list[BankPhase]:
-    """One access instruction: ``addresses[t]`` is the byte address thread ``t`` accesses.
+    """One access instruction: ``addresses[t]`` is the byte address thread ``t`` accesses
+    (None: the thread sits this instruction out).
 
-    Threads are split into warps of 32 and each warp into 128-byte phases.
+    Threads are split into warps of 32 and each warp into 128-byte phases; phases with
+    no active thread are left out.
     """
     if access_bytes not in (1, 2, 4, 8, 16):
         raise ValueError(f"access_bytes must be 1, 2, 4, 8 or 16, got {access_bytes}")
     for t, a in enumerate(addresses):
-        if a < 0 or a % access_bytes:
+        if a is not None and (a < 0 or a % access_bytes):
             raise ValueError(f"thread {t}: address {a} is negative or not {access_bytes}-aligned")
     per_phase = min(WARP, PHASE_BYTES // access_bytes)
     phases = []
     for first in range(0, len(addresses), per_phase):
-        threads = tuple(range(first, min(first + per_phase, len(addresses))))
+        lanes = range(first, min(first + per_phase, len(addresses)))
+        threads = tuple(t for t in lanes if addresses[t] is not None)
+        if not threads:
+            continue
         words: set[int] = set()
         for t in threads:
             start = addresses[t] // BANK_BYTES
@@ -67,6 +72,19 @@ def bank_phases(
 def conflict_ways(addresses: Sequence[int], access_bytes: int = 4) -> int:
     """The worst phase of one access instruction: 1 = conflict-free, 32 = 32-way."""
     return max(p.ways for p in bank_phases(addresses, access_bytes))
+
+
+def access_phases(
+    instructions: Sequence[Sequence[int | None]], access_bytes: int
+) -> list[BankPhase]:
+    """Bank map of a kernel's access: ``instructions[a][t]`` is the byte address thread t
+    touches in instruction a (None: idle), each access ``access_bytes`` wide."""
+    phases = []
+    for a, addresses in enumerate(instructions):
+        phases += bank_phases(addresses, access_bytes, label=f"access {a}, ")
+    if not phases:
+        raise ValueError("no thread accesses shared memory in any instruction")
+    return phases
 
 
 def smem_phases(ev: Evaluated, elem_bytes: int = 4, vec: int = 1) -> list[BankPhase]:

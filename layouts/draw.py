@@ -79,17 +79,29 @@ def _cells(ax, rgb: np.ndarray, labels: Sequence[Sequence[str]] | None = None) -
             ax.text(j, i, s, ha="center", va="center", fontsize=size)
 
 
-def grid_figure(grid: OffsetGrid) -> Figure:
+def _title(fig: Figure, *lines: str) -> str:
+    """Lines of a figure title, long ones wrapped to the figure's width (a caption can be a
+    paragraph); the figure grows by the lines wrapping added."""
+    width = max(30, int(12 * fig.get_figwidth()))  # characters of 9-10 pt text per line
+    text = "\n".join(textwrap.fill(line, width) for line in lines if line)
+    extra = text.count("\n") + 1 - sum(1 for line in lines if line)
+    fig.set_figheight(fig.get_figheight() + 0.16 * extra)
+    return text
+
+
+def grid_figure(grid: OffsetGrid, caption: str = "") -> Figure:
     """Cell (i, j) shows layout(i, j), colored by offset; like CuTe's ``print_latex``."""
     offsets = np.array(grid.cells)
-    fig = _figure(grid.rows, grid.cols)
+    fig = _figure(grid.rows, grid.cols, extra_h=0.9 + 0.2 * bool(caption))
+    if caption:  # room for a readable paragraph above narrow grids
+        fig.set_figwidth(max(fig.get_figwidth(), 6.0))
     ax = fig.add_subplot()
     _cells(ax, _by_offset(offsets), [[str(x) for x in row] for row in grid.cells])
-    ax.set_title(grid.title, fontsize=10)
+    ax.set_title(_title(fig, caption, grid.title), fontsize=9)
     return fig
 
 
-def tv_figure(grid: TvGrid) -> Figure:
+def tv_figure(grid: TvGrid, caption: str = "") -> Figure:
     """Each tile element shows its owner ``T<thread> V<value>``, colored by thread."""
     first = np.array([[o[0][0] if o else -1 for o in row] for row in grid.cells])
     rgb = _by_class(np.maximum(first, 0), "tab20")
@@ -102,7 +114,10 @@ def tv_figure(grid: TvGrid) -> Figure:
     fig = _figure(grid.rows, grid.cols)
     ax = fig.add_subplot()
     _cells(ax, rgb, labels)
-    ax.set_title(f"{grid.title}\n{grid.threads} threads x {grid.values} values", fontsize=10)
+    ax.set_title(
+        _title(fig, caption, grid.title, f"{grid.threads} threads x {grid.values} values"),
+        fontsize=10,
+    )
     return fig
 
 
@@ -123,7 +138,7 @@ def banks_figure(title: str, phases: Sequence[BankPhase]) -> Figure:
     ax.set_xlabel("bank")
     ax.xaxis.set_label_position("top")
     worst = max(p.ways for p in phases)
-    ax.set_title(f"{title}\nworst phase: {worst}-way (1 = conflict-free)", fontsize=10)
+    ax.set_title(_title(fig, title, f"worst phase: {worst}-way (1 = conflict-free)"), fontsize=9)
     return fig
 
 

@@ -52,13 +52,13 @@ class Split(NamedTuple):
     """What ``split_layout`` learns from one trace of a maker."""
 
     make: Callable[[], cute.Layout]  # builds the layout alone
-    extras: tuple  # the other items ``make`` returned, as ints, in their order
+    extras: tuple  # the other items ``make`` returned (ints, or a caption str), in order
     size: int  # the layout's number of coordinates: check it before evaluating
 
 
 def split_layout(make: Make) -> Split:
-    """``make`` may return a layout or a tuple holding one layout beside plain ints
-    (as ``cute.make_layout_tv`` returns ``(tiler_mn, layout_tv)``)."""
+    """``make`` may return a layout or a tuple holding one layout beside plain ints (as
+    ``cute.make_layout_tv`` returns ``(tiler_mn, layout_tv)``) and strings (captions)."""
     found: dict = {}
 
     @cute.jit
@@ -85,7 +85,11 @@ def _classify(result) -> tuple[int, tuple, int]:
     if sum(is_layout) != 1:
         raise TypeError(f"expected a layout or a tuple of one layout and ints, got {result!r}")
     at = is_layout.index(True)
-    extras = tuple(_to_ints(x) for x, lay in zip(items, is_layout, strict=True) if not lay)
+    extras = tuple(
+        x if isinstance(x, str) else _to_ints(x)
+        for x, lay in zip(items, is_layout, strict=True)
+        if not lay
+    )
     return at, extras, int(cute.size(items[at]))
 
 

@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import itertools
 import math
-import xml.etree.ElementTree as ET
 
-import cutlass.cute as cute
 import pytest
 
-import kbit_cute.layouts as kl
 from kbit_cute.format import (
     BLOCK,
     BLOCKS_PER_TILE_K,
@@ -27,13 +24,10 @@ from layouts import (
     bank_phases,
     conflict_ways,
     evaluate,
-    kernel_views,
     layout_at,
-    layout_view,
     offset_grid,
     parse_layout,
     smem_phases,
-    split_layout,
     tile_view,
     tv_grid,
 )
@@ -323,108 +317,3 @@ def test_cli_writes_pictures(tmp_path, capsys):
 def test_cli_input_errors(capsys, argv, message):
     assert main([*argv, "--format", "text"]) == 2
     assert message in capsys.readouterr().err
-
-
-# --------------------------------------------------------------------------- kernel layouts
-
-
-def test_kernel_not_registered(monkeypatch, capsys):
-    monkeypatch.delattr(kl, "kernel_layouts", raising=False)
-    assert main(["kernel", "gemv", "--k", "4", "--format", "text"]) == 2
-    assert "kernel layouts for 'gemv' are not registered yet" in capsys.readouterr().err
-
-
-def test_kernel_registry_raising(monkeypatch, capsys):
-    def kernel_layouts(kind: str, k: int):
-        raise KeyError(kind)
-
-    monkeypatch.setattr(kl, "kernel_layouts", kernel_layouts, raising=False)
-    assert main(["kernel", "moe", "--format", "text"]) == 2
-    assert "kernel layouts for 'moe' are not registered yet" in capsys.readouterr().err
-
-
-def test_kernel_views_from_registry(monkeypatch, tmp_path, capsys):
-    def kernel_layouts(kind: str, k: int):
-        assert (kind, k) == ("gemm", 3)
-        return {
-            "a_tv": lambda: cute.make_layout_tv(
-                cute.make_layout((4, 8), stride=(8, 1)), cute.make_layout((2, 2))
-            ),
-            "b_smem": lambda: (cute.make_layout((32, 4), stride=(4, 1)), 4, 4),
-            "c": lambda: cute.make_layout((2, 3), stride=(3, 1)),
-        }
-
-    monkeypatch.setattr(kl, "kernel_layouts", kernel_layouts, raising=False)
-    assert main(["kernel", "gemm", "--k", "3", "--format", "text", "--color", "never"]) == 0
-    out = capsys.readouterr().out
-    assert "== a_tv" in out and "T0V0" in out
-    assert "worst phase: 1-way (conflict-free)" in out
-    assert EXPECTED_2x3 in out
-    assert main(["kernel", "gemm", "--k", "3", "--out", str(tmp_path)]) == 0
-    for name in ("a_tv", "b_smem", "c"):
-        assert _is_picture(tmp_path / f"kernel_gemm_k3_{name}.svg", "svg")
-    tv = layout_view("a_tv", kernel_layouts("gemm", 3)["a_tv"]).data
-    assert (tv.rows, tv.cols, tv.threads, tv.values) == (8, 16, 32, 4)
-
-
-# ------------------------------------------------------------------- the kernels' own layouts
-
-
-def _mma_a_owner(m: int, kk: int) -> tuple[int, int]:
-    """PTX m16n8k16 A fragment (ISA 'Matrix Fragments for mma.m16n8k16'): lane 4g + t holds
-    rows g (a0, a1, a4, a5) and g + 8 (a2, a3, a6, a7), columns 2t, 2t + 1 (+ 8 for a4..a7),
-    so element a_v has v = (k odd) + 2 (row >= 8) + 4 (k >= 8): CuTe's value index."""
-    g, t = m % 8, (kk % 8) // 2
-    v = (kk % 2) + 2 * (m // 8) + 4 * (kk // 8)
-    return 4 * g + t, v
-
-
-def test_kernel_gemv_mma_a_is_the_ptx_fragment():
-    entries = kl.kernel_layouts("gemv", 4)
-    tv = layout_view("mma_a_tv", entries["mma_a_tv"]).data
-    assert (tv.rows, tv.cols, tv.threads, tv.values) == (16, 16, 32, 8)
-    split = split_layout(entries["mma_a_tv"])
-    coords = [(t, v) for v in range(8) for t in range(32)]
-    # The drawn cells are the layout function: cell (idx % 16, idx // 16) is owned by (t, v).
-    for (t, v), idx in zip(coords, layout_at(split.make, coords), strict=True):
-        assert tv.cells[idx % 16][idx // 16] == ((t, v),)
-    # ... and that function is the PTX fragment the kernel's register code assumes.
-    for m, kk in itertools.product(range(16), range(16)):
-        assert tv.cells[m][kk] == (_mma_a_owner(m, kk),), (m, kk)
-
-
-def test_kernel_gemm_a_smem_swizzle_and_ldmatrix_conflict_free():
-    views = {v.name: v for v in kernel_views("gemm", 4)}
-    a = views["a_smem_layout"].data  # m16 config: one (16, 64) stage of the A ring
-    assert (a.rows, a.cols) == (16, 64)
-    for m, kk in itertools.product(range(16), range(64)):  # Swizzle<3,3,3> of 8 x 64 atoms
-        assert a.cells[m][kk] == (m // 8) * 512 + (m % 8) * 64 + (kk ^ ((m % 8) << 3))
-    phases = views["ldsm_a_smem"].data
-    assert len(phases) == 4 * 4 and max(p.ways for p in phases) == 1  # 4 warps x 4 phases
-    assert views["mma_b_tv"].data.threads == 128  # 4 warps tile N
-
-
-@pytest.mark.parametrize(("kind", "fmt"), [("gemv", "svg"), ("gemm", "png")])
-def test_kernel_cli_renders(tmp_path, capsys, kind, fmt):
-    assert main(["kernel", kind, "--k", "4", "--format", "text", "--color", "never"]) == 0
-    out = capsys.readouterr().out
-    assert "== mma_a_tv" in out and "T0V0" in out
-    assert main(["kernel", kind, "--k", "4", "--format", fmt, "--out", str(tmp_path)]) == 0
-    files = sorted(tmp_path.glob(f"kernel_{kind}_k4_*.{fmt}"))
-    assert len(files) == len(kl.kernel_layouts(kind, 4)) >= 4
-    assert all(_is_picture(f, fmt) for f in files)
-    if fmt == "svg":  # the compacted SVG is still XML and keeps every cell label
-        root = ET.parse(tmp_path / f"kernel_{kind}_k4_mma_a_tv.svg").getroot()
-        texts = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")]
-        assert texts.count("V0") == 32 and "T31" in texts  # the A fragment: 8 values / thread
-
-
-def test_kernel_moe_and_bad_input(capsys):
-    assert main(["kernel", "moe", "--k", "4", "--format", "text"]) == 2
-    assert "MoE kernels do not exist yet" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="k must be 2..5"):
-        kl.kernel_layouts("gemv", 6)
-    with pytest.raises(ValueError, match="kernel kind"):
-        kl.kernel_layouts("conv", 4)
-    with pytest.raises(ValueError, match="not a GEMM config"):
-        kl.kernel_layouts("gemm", 4, config="m16")

@@ -378,6 +378,55 @@ class GemmKernel:
         shape = (self.cfg.tile_m, self.cfg.tile_k, self.cfg.stages)
         return cute.tile_to_shape(atom, shape, (0, 1, 2))
 
+    def c_smem_layout(self):
+        """Epilogue staging tile (TILE_M, TILE_N), rows padded by _C_PAD elements: a warp's
+        fragment stores (8 rows x 4 threads) hit 32 different banks."""
+        cfg = self.cfg
+        return cute.make_layout((cfg.tile_m, cfg.tile_n), stride=(cfg.tile_n + _C_PAD, 1))
+
+    # Shared-memory store plans: plain index arithmetic that the kernel calls with its
+    # thread index and ``kbit_cute.layouts`` with ints (the bank-conflict maps of
+    # ``python -m layouts kernel gemm``). Each gives one thread's (destination, active) in
+    # one pass; ``active`` is a Python True where every thread is busy (no predicate).
+
+    def a_copy_plan(self, tidx, i: int):
+        """A cp.async, pass i < a_passes(): ((row, k) of the thread's 16-byte chunk in the
+        (TILE_M, TILE_K) tile, active). TILE_K / 8 threads copy a row; passes advance
+        a_rows_per_pass() rows (whole swizzle atoms)."""
+        cfg = self.cfg
+        chunks_row = cfg.tile_k // 8
+        rows = self.a_rows_per_pass()
+        row = tidx // chunks_row + i * rows
+        return (row, (tidx % chunks_row) * 8), rows * (i + 1) <= cfg.tile_m or row < cfg.tile_m
+
+    def w_copy_passes(self) -> int:
+        """cp.async passes of the CTA over one repack tile's words."""
+        return -(-(self.tile_words * 4 // _CHUNK) // self.threads)
+
+    def w_copy_plan(self, tidx, i: int):
+        """B words cp.async of one repack tile, pass i < w_copy_passes(): (first int32 word
+        of the thread's 16-byte chunk, active); chunk tidx + i * threads (coalesced)."""
+        chunks = self.tile_words * 4 // _CHUNK
+        q = tidx + i * self.threads
+        return q * 4, chunks % self.threads == 0 or q < chunks
+
+    def absmax_copy_plan(self, tidx):
+        """Absmax cp.async of one repack tile: (first byte of the thread's 16-byte chunk,
+        active). The CTA's last threads copy the 16 chunks: the words leave those idle when
+        64 k chunks are not a multiple of the CTA size."""
+        q = tidx - (self.threads - _TILE_ABSMAX // _CHUNK)
+        return q * _CHUNK, q >= 0
+
+    def table_passes(self) -> int:
+        """Store passes of the CTA over the pair table."""
+        return -(-(1 << (2 * self.k)) // self.threads)
+
+    def table_plan(self, tidx, i: int):
+        """Pair-table build, pass i < table_passes(): (entry the thread writes, active)."""
+        entries = 1 << (2 * self.k)
+        p = tidx + i * self.threads
+        return p, entries % self.threads == 0 or p < entries
+
     # ------------------------------------------------------------------------- pieces
 
     @cute.jit
@@ -392,10 +441,9 @@ class GemmKernel:
         )
         factor = Float32(CODEBOOK_FACTOR[self.dtype_name])
         pair = cute.make_rmem_tensor((2,), self.dtype)
-        entries = 1 << (2 * k)
-        for i in cutlass.range_constexpr((entries + self.threads - 1) // self.threads):
-            p = tidx + i * self.threads
-            if entries % self.threads == 0 or p < entries:
+        for i in cutlass.range_constexpr(self.table_passes()):
+            p, active = self.table_plan(tidx, i)
+            if active:
                 i0 = Int32(0)
                 i1 = Int32(0)
                 for b in cutlass.range_constexpr(k):
@@ -414,13 +462,12 @@ class GemmKernel:
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         M, K = mA.shape
-        chunks_row = cfg.tile_k // 8
-        row0, kc = tidx // chunks_row, tidx % chunks_row
+        (row0, kk), _ = self.a_copy_plan(tidx, 0)  # pass i: row0 + i * a_rows_per_pass()
         offs = cute.make_rmem_tensor((self.a_passes() + 1,), Int32)
-        offs[0] = cute.crd2idx((cutlass.min(row0, cfg.tile_m - 1), kc * 8, 0), sA.layout)
+        offs[0] = cute.crd2idx((cutlass.min(row0, cfg.tile_m - 1), kk, 0), sA.layout)
         for i in cutlass.range_constexpr(self.a_passes()):
             row = cutlass.min(cfg.tile_m * m_cta + row0 + i * self.a_rows_per_pass(), M - 1)
-            offs[i + 1] = row * K + kc * 8
+            offs[i + 1] = row * K + kk
         return offs
 
     def a_rows_per_pass(self) -> int:
@@ -449,15 +496,14 @@ class GemmKernel:
         )
         # A: chunks past K are zero-filled (the padded weights there are zero, and A must
         # not be NaN). Every thread's chunks share one chunk column, hence one K check.
-        chunks_row = cfg.tile_k // 8
         rows_pass = self.a_rows_per_pass()
-        row0 = tidx // chunks_row
-        gk = kt * cfg.tile_k + (tidx % chunks_row) * 8
+        gk = kt * cfg.tile_k + self.a_copy_plan(tidx, 0)[0][1]
         a_stage = stage * (cfg.tile_m * cfg.tile_k)
         zero8 = cute.make_rmem_tensor((8,), self.dtype)
         zero8.fill(0.0)
         for i in cutlass.range_constexpr(self.a_passes()):
-            if rows_pass * (i + 1) <= cfg.tile_m or row0 + i * rows_pass < cfg.tile_m:
+            if self.a_copy_plan(tidx, i)[1]:
+                # pass i's chunk: pass 0's + i * rows_pass rows = whole swizzle atoms
                 s_off = cute.assume(a_off[0] + a_stage + i * rows_pass * 64, divby=8)
                 dst = cute.make_tensor(sA.iterator + s_off, cute.make_layout(8))
                 if gk < K:
@@ -471,7 +517,6 @@ class GemmKernel:
         # Tiles past the padded weight (TILE_N = 256 over an odd tile count, TILE_K = 128
         # over an odd one) are skipped: stale shared data there meets zero A or unstored
         # output columns, and every word pattern dequantizes to a finite value.
-        w_chunks = self.tile_words * 4 // _CHUNK
         for rk in cutlass.range_constexpr(self.rk_n):
             for rn in cutlass.range_constexpr(self.rn_n):
                 kt64 = kt * self.rk_n + rk
@@ -480,23 +525,21 @@ class GemmKernel:
                     tile = kt64 * n_tiles128 + nt
                     r = rk * self.rn_n + rn
                     w_dst = stage * (plan["w_stage"] // 4) + r * self.tile_words
-                    for i in cutlass.range_constexpr(-(-w_chunks // self.threads)):
-                        q = tidx + i * self.threads
-                        if w_chunks % self.threads == 0 or q < w_chunks:
-                            src = pPacked + cute.assume(tile * self.tile_words + q * 4, divby=4)
-                            dst = sW + cute.assume(w_dst + q * 4, divby=4)
+                    for i in cutlass.range_constexpr(self.w_copy_passes()):
+                        w, active = self.w_copy_plan(tidx, i)
+                        if active:
+                            src = pPacked + cute.assume(tile * self.tile_words + w, divby=4)
+                            dst = sW + cute.assume(w_dst + w, divby=4)
                             cute.copy(
                                 g2s_w,
                                 cute.make_tensor(src, cute.make_layout(4)),
                                 cute.make_tensor(dst, cute.make_layout(4)),
                             )
-                    # The 16 absmax chunks go to the CTA's last threads, which the words
-                    # leave idle when 64k chunks are not a multiple of the CTA size.
-                    q = tidx - (self.threads - _TILE_ABSMAX // _CHUNK)
-                    if q >= 0:
-                        src = pAbsmax + cute.assume(tile * _TILE_ABSMAX + q * _CHUNK, divby=16)
+                    b, active = self.absmax_copy_plan(tidx)
+                    if active:
+                        src = pAbsmax + cute.assume(tile * _TILE_ABSMAX + b, divby=16)
                         dst = sS + cute.assume(
-                            stage * plan["s_stage"] + r * _TILE_ABSMAX + q * _CHUNK, divby=16
+                            stage * plan["s_stage"] + r * _TILE_ABSMAX + b, divby=16
                         )
                         cute.copy(
                             g2s_w,
@@ -635,10 +678,7 @@ class GemmKernel:
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         m0, n0 = m_cta * cfg.tile_m, n_cta * cfg.tile_n
-        sC = cute.make_tensor(
-            cute.recast_ptr(base_u8, dtype=self.dtype),
-            cute.make_layout((cfg.tile_m, cfg.tile_n), stride=(cfg.tile_n + _C_PAD, 1)),
-        )
+        sC = cute.make_tensor(cute.recast_ptr(base_u8, dtype=self.dtype), self.c_smem_layout())
         tCsC = thr_mma.partition_C(sC)
         tCcC = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
         scale = cute.make_tensor(pScale, cute.make_layout(1))[0]

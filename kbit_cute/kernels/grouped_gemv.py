@@ -72,9 +72,13 @@ class GroupedGemvKernel(GemvKernel):
         super().__init__(k, ROWS_PER_PASS, dtype, stages)
         self.gate_up = gate_up
         # Register cap through CTAs per SM: 4 (128 registers) fit the GEMV's loop plus the
-        # pass loop and the expert scan without spills for k <= 4 (k = 5: 3); a deeper
-        # ring than the GEMV's trades CTAs per SM for bytes in flight.
-        self.min_ctas_per_sm = 2 if self.stages > STAGES[k] else 4 if k <= 4 else 3
+        # pass loop and the expert scan without spills for k <= 3, and k = 4 on sm_90
+        # (sm_80's code for k = 4 and k = 5 anywhere: 3); a deeper ring than the GEMV's
+        # trades CTAs per SM for bytes in flight.
+        from ..compile import target_arch
+
+        roomy = k <= 3 or (k == 4 and target_arch().startswith("sm_9"))
+        self.min_ctas_per_sm = 2 if self.stages > STAGES[k] else 4 if roomy else 3
 
     @cute.jit
     def __call__(
