@@ -16,7 +16,9 @@ device. The launcher checks that every pointer honours the alignment its
 ``fake_ptr`` promised the compiler (``MisalignedError``, a ValueError, otherwise) and that the first
 tensor is on a CUDA device; the caller guarantees dtypes, extents and that all
 tensors share that device (``KBIT_CUTE_CHECK_LAUNCH=1`` checks dtypes and
-devices too, for debugging).
+devices too, for debugging). ``stream_launcher(spec)`` is the same launch for hot
+paths that already hold the stream: ``fn(*args, stream)``, device made current by
+the caller.
 
 Host path: variants are compiled with TVM-FFI (``--enable-tvm-ffi``), exported
 to an object file and loaded back as a ``tvm_ffi.Function``; a call is a few
@@ -407,12 +409,17 @@ def make_launch(
     current_device: Callable[[], int] | None = None,
     raw_stream: Callable[[int], int] | None = None,
     check: bool = False,
+    stream_arg: bool = False,
 ) -> Callable[..., None]:
     """A python function ``name(*args)`` that launches ``ffi_fn`` on the current stream.
 
     Generated source, one line per argument, because it runs on every kernel
     call: a loop over a parameter table costs several microseconds more.
     ``current_device`` / ``raw_stream`` default to torch's; tests pass stubs.
+
+    ``stream_arg``: the function takes the raw stream as one more, last argument and
+    skips the device check: for a caller that has already read the stream (for its
+    split-K scratch, say) and made the tensors' device the current one.
     """
     xs = [f"x{i}" for i in range(len(params))]
     ptr_idx = [i for i, p in enumerate(params) if p.kind == "ptr"]
@@ -422,11 +429,15 @@ def make_launch(
         body.append(f"    if {' | '.join(aligned)}:")
         ptrs = ", ".join(f"a{i}" for i in ptr_idx)
         body.append(f"        _misaligned(_name, _params, ({ptrs},))")
-    body.append(f"    dev = x{ptr_idx[0]}.get_device()")
-    body.append("    if dev != _current_device():")
-    body.append(f"        return _wrong_device(_name, dev, _self, ({', '.join(xs)},))")
     call = [f"a{i}" if p.kind == "ptr" else f"x{i}" for i, p in enumerate(params)]
-    body.append(f"    _ffi({', '.join(call)}, _raw_stream(dev))")
+    if stream_arg:
+        xs.append("stream")
+        body.append(f"    _ffi({', '.join(call)}, stream)")
+    else:
+        body.append(f"    dev = x{ptr_idx[0]}.get_device()")
+        body.append("    if dev != _current_device():")
+        body.append(f"        return _wrong_device(_name, dev, _self, ({', '.join(xs)},))")
+        body.append(f"    _ffi({', '.join(call)}, _raw_stream(dev))")
     src = f"def launch({', '.join(xs)}):\n" + "\n".join(body) + "\n"
     scope = {
         "_name": name,
@@ -440,22 +451,35 @@ def make_launch(
     exec(compile(src, f"<kbit_cute launcher {name}>", "exec"), scope)
     fast = scope["launch"]
     fast.__name__ = fast.__qualname__ = name
-    fast.__doc__ = f"Launch {name}({', '.join(p.name for p in params)}) on the current stream."
-    if check:
-
-        def checked(*args):
-            _check_args(name, params, args)
-            return fast(*args)
-
-        scope["_self"] = checked
-        checked.__name__ = name
-        return checked
+    where = "on the given stream" if stream_arg else "on the current stream"
+    fast.__doc__ = f"Launch {name}({', '.join(p.name for p in params)}) {where}."
     scope["_self"] = fast
-    return fast
+    if not check:
+        return fast
+    device_now = scope["_current_device"]
+
+    def checked(*args):
+        _check_args(name, params, args[:-1] if stream_arg else args)
+        if stream_arg and (dev := args[ptr_idx[0]].get_device()) != device_now():
+            raise ValueError(f"{name}: the tensors are on device {dev}, not the current one")
+        return fast(*args)
+
+    scope["_self"] = checked
+    checked.__name__ = name
+    return checked
 
 
 _launchers: dict[str, Callable[..., None]] = {}
+_stream_launchers: dict[str, Callable[..., None]] = {}
+_loaded: dict[str, tuple[list[_Param], Callable]] = {}  # name -> (params, tvm_ffi.Function)
 _lock = threading.Lock()
+
+
+def _load(spec: KernelSpec) -> tuple[list[_Param], Callable]:
+    got = _loaded.get(spec.name)
+    if got is None:
+        got = _loaded[spec.name] = (kernel_params(spec), ffi_function(spec))
+    return got
 
 
 def launcher(spec: KernelSpec) -> Callable[..., None]:
@@ -466,8 +490,23 @@ def launcher(spec: KernelSpec) -> Callable[..., None]:
         with _lock:
             fn = _launchers.get(spec.name)
             if fn is None:
-                params = kernel_params(spec)
-                ffi = ffi_function(spec)
+                params, ffi = _load(spec)
                 check = os.environ.get(CHECK_ENV, "") not in ("", "0")
                 fn = _launchers[spec.name] = make_launch(spec.name, params, ffi, check=check)
+    return fn
+
+
+def stream_launcher(spec: KernelSpec) -> Callable[..., None]:
+    """``launcher(spec)`` for hot paths that already hold the raw stream: call it as
+    ``fn(*args, stream)`` with the tensors' device current (``make_launch(stream_arg=True)``;
+    ``KBIT_CUTE_CHECK_LAUNCH=1`` checks the device). Shares the loaded variant."""
+    fn = _stream_launchers.get(spec.name)
+    if fn is None:
+        with _lock:
+            fn = _stream_launchers.get(spec.name)
+            if fn is None:
+                params, ffi = _load(spec)
+                check = os.environ.get(CHECK_ENV, "") not in ("", "0")
+                fn = make_launch(spec.name, params, ffi, check=check, stream_arg=True)
+                _stream_launchers[spec.name] = fn
     return fn

@@ -1,4 +1,5 @@
-"""GPU properties from the CUDA driver (``cuda.bindings``), queried once per device.
+"""The CUDA driver (``cuda.bindings``): GPU properties queried once per device, and the
+split-K scratch memory the kernels keep outside torch's caching allocator.
 
 The kernels' heuristics need the SM count, L2 size and shared-memory limits, and
 every entry point needs the compute capability check; asking the driver once
@@ -8,7 +9,9 @@ same numbering torch uses (both honour ``CUDA_VISIBLE_DEVICES``).
 
 from __future__ import annotations
 
+import atexit
 import functools
+import threading
 from dataclasses import dataclass
 
 MIN_CAPABILITY = (8, 0)
@@ -105,3 +108,95 @@ def check_device(index: int) -> DeviceProps:
         check_capability(props)
         _checked.add(index)
     return props
+
+
+# ----------------------------------------------------------------------------- scratch memory
+# Split-K workspaces and counters are allocated on the first call for a (device, stream),
+# which under torch.compile(mode="reduce-overhead") runs inside inductor's CUDA-graph pool
+# (memory there must be a graph output) and under torch.cuda.graph inside the capture. Memory
+# from cuMemAlloc belongs to no torch pool, and it is never freed while the process runs, so
+# a captured graph that points at an outgrown buffer stays valid.
+
+_CAI_TYPES = {"float32": "<f4", "int32": "<i4", "uint8": "|u1"}
+_allocations: list[tuple[int, int]] = []  # (device, pointer), freed at exit
+_side_streams: dict[int, object] = {}
+_alloc_lock = threading.Lock()
+
+
+class _DriverArray:
+    """``__cuda_array_interface__`` of a driver allocation, for ``torch.as_tensor``. No
+    stream key: torch then synchronizes nothing."""
+
+    def __init__(self, ptr: int, numel: int, typestr: str):
+        self.__cuda_array_interface__ = {
+            "shape": (numel,),
+            "typestr": typestr,
+            "data": (ptr, False),
+            "version": 2,
+        }
+
+
+@functools.cache
+def _primary_context(index: int):
+    """The device's primary context: the one torch's runtime calls use."""
+    from cuda.bindings import driver
+
+    _check(driver.cuInit(0))
+    return _check(driver.cuDevicePrimaryCtxRetain(_check(driver.cuDeviceGet(index))))
+
+
+def scratch_tensor(index: int, numel: int, dtype, zero: bool = False):
+    """A 1-D CUDA tensor of ``numel`` elements on device ``index`` in memory from
+    ``cuMemAlloc`` (not torch's caching allocator), kept until the process exits.
+
+    Safe to call while a stream is being captured into a CUDA graph: the thread's capture
+    mode is relaxed for the allocation (what torch's own allocator does), and ``zero``
+    clears the memory on a private stream and waits for it, so nothing enters the graph
+    and the memory is zero before the caller's next launch on any stream.
+    """
+    import torch
+    from cuda.bindings import driver
+
+    typestr = _CAI_TYPES[str(dtype).removeprefix("torch.")]
+    nbytes = max(numel, 1) * dtype.itemsize
+    with _alloc_lock:
+        ctx = _primary_context(index)
+        relaxed = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+        mode = _check(driver.cuThreadExchangeStreamCaptureMode(relaxed))
+        _check(driver.cuCtxPushCurrent(ctx))
+        try:
+            ptr = int(_check(driver.cuMemAlloc(nbytes)))
+            _allocations.append((index, ptr))
+            if zero:
+                stream = _side_streams.get(index)
+                if stream is None:
+                    flags = driver.CUstream_flags.CU_STREAM_NON_BLOCKING
+                    stream = _side_streams[index] = _check(driver.cuStreamCreate(flags))
+                _check(driver.cuMemsetD8Async(ptr, 0, nbytes, stream))
+                _check(driver.cuStreamSynchronize(stream))
+            # Inside the relaxed window: torch asks the driver which device owns the pointer.
+            t = torch.as_tensor(_DriverArray(ptr, numel, typestr), device=f"cuda:{index}")
+        finally:
+            _check(driver.cuCtxPopCurrent())
+            driver.cuThreadExchangeStreamCaptureMode(mode)
+    if t.data_ptr() != ptr or t.dtype != dtype or t.get_device() != index:
+        raise RuntimeError(f"kbit_cute: torch did not wrap the scratch memory at {ptr:#x} as is")
+    return t
+
+
+@atexit.register
+def _free_scratch() -> None:
+    """Best effort: the driver releases everything at process exit anyway."""
+    try:
+        from cuda.bindings import driver
+
+        for index in sorted({i for i, _ in _allocations}):
+            _check(driver.cuCtxPushCurrent(_primary_context(index)))
+            driver.cuCtxSynchronize()  # no kernel may still use the memory
+            for i, ptr in _allocations:
+                if i == index:
+                    driver.cuMemFree(ptr)
+            driver.cuCtxPopCurrent()
+        _allocations.clear()
+    except Exception:
+        pass

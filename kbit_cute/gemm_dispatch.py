@@ -9,9 +9,11 @@ dequantize + cuBLAS faster; ``kbit_cute.gemm`` uses it to pick the path.
 Split-K buffers live per (device, stream): an fp32 partials buffer (deterministic mode: the
 last CTA of a tile sums the splits in split order), an fp32 sums buffer kept at zero
 (atomic mode: ``red.add``, the last CTA reads and re-zeroes its tile) and the tile counters,
-kept at zero by the kernel. Nothing is cleared per call. Buffers grow and are never freed
-while the process runs (a captured CUDA graph may still point at an old one); call once
-before capturing a graph so the capture allocates nothing.
+kept at zero by the kernel. Nothing is cleared per call. They are driver memory
+(``device.scratch_tensor``), outside torch's caching allocator, so a first call inside a
+CUDA-graph capture or inductor's graph pool (``mode="reduce-overhead"``) allocates nothing
+there; they grow to powers of two and are never freed while the process runs (a captured
+graph may still point at an outgrown one). With one split the kernel touches none of them.
 """
 
 from __future__ import annotations
@@ -77,24 +79,23 @@ def table_configs(k: int) -> list[GemmConfig]:
 class _SplitKBuffers:
     """Split-K workspace of one (device, stream); see the module docstring."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.partials = torch.empty(1 << 16, dtype=torch.float32, device=device)
-        self.sums = torch.zeros(1 << 16, dtype=torch.float32, device=device)
-        self.counters = torch.zeros(4096, dtype=torch.int32, device=device)
-        self._retired: list[torch.Tensor] = []  # outgrown buffers a graph may still use
+    def __init__(self, dev: int):
+        self.dev = dev
+        self.partials = self.sums = self.counters = None
+
+    def _grown(self, old, numel: int, dtype: torch.dtype, zero: bool):
+        if old is not None and old.numel() >= numel:
+            return old
+        n = 1 << (max(numel, 4096) - 1).bit_length()
+        return _device.scratch_tensor(self.dev, n, dtype, zero=zero)
 
     def get(self, ws_elems: int, tiles: int, atomic: bool):
-        if atomic and self.sums.numel() < ws_elems:
-            self._retired.append(self.sums)
-            self.sums = torch.zeros(ws_elems, dtype=torch.float32, device=self.device)
-        if not atomic and self.partials.numel() < ws_elems:
-            self._retired.append(self.partials)
-            self.partials = torch.empty(ws_elems, dtype=torch.float32, device=self.device)
-        if self.counters.numel() < tiles:
-            self._retired.append(self.counters)
-            self.counters = torch.zeros(tiles, dtype=torch.int32, device=self.device)
-        return (self.sums if atomic else self.partials), self.counters
+        if atomic:
+            ws = self.sums = self._grown(self.sums, ws_elems, torch.float32, zero=True)
+        else:
+            ws = self.partials = self._grown(self.partials, ws_elems, torch.float32, zero=False)
+        self.counters = self._grown(self.counters, tiles, torch.int32, zero=True)
+        return ws, self.counters
 
 
 _buffers: dict[tuple[int, int], _SplitKBuffers] = {}
@@ -156,12 +157,15 @@ def launch(
     stream = current_raw_stream(dev)
     bufs = _buffers.get((dev, stream))
     if bufs is None:
-        bufs = _buffers[(dev, stream)] = _SplitKBuffers(A2d.device)
+        bufs = _buffers[(dev, stream)] = _SplitKBuffers(dev)
     tiles = -(-M // cfg.tile_m) * -(-N // cfg.tile_n)
     slab = tiles * cfg.tile_m * cfg.tile_n
     splits = min(splits, max(1, (_MAX_ELEMS - 1) // slab))  # int32 workspace offsets
     atomic = splits > 1 and not deterministic
-    ws, counters = bufs.get(slab if atomic else slab * splits, tiles, atomic)
+    if splits == 1:  # the kernel reads no workspace and no counter: pass any buffer
+        ws, counters = bufs.get(0, 0, atomic)
+    else:
+        ws, counters = bufs.get(slab if atomic else slab * splits, tiles, atomic)
 
     if not A2d.is_contiguous():
         A2d = A2d.contiguous()

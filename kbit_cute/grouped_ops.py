@@ -23,7 +23,7 @@ import torch
 from . import device as _device
 from .compile import current_raw_stream, launcher
 from .experts import KbitExperts, check_experts, dequantize_experts
-from .ops import _GEMV_DTYPES
+from .ops import _GEMV_DTYPES, _split_scratch
 
 __all__ = ["grouped_gemm", "moe_gate_up"]
 
@@ -188,24 +188,6 @@ def grouped_splits(items: int, k_tiles: int, sm_count: int) -> int:
 _WORKSPACE_LIMIT = 64 << 20
 
 
-class _GroupedState:
-    """Per (device, stream) split-K workspace and zeroed counters; grown, never shrunk.
-    The kernel resets the counters it uses, so nothing is cleared per call."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.workspace = torch.empty(0, dtype=torch.float32, device=device)
-        self.counters = torch.zeros(0, dtype=torch.int32, device=device)
-
-    def get(self, ws_elems: int, counters: int):
-        if self.workspace.numel() < ws_elems:
-            self.workspace = torch.empty(ws_elems, dtype=torch.float32, device=self.device)
-        if self.counters.numel() < counters:
-            self.counters = torch.zeros(counters, dtype=torch.int32, device=self.device)
-        return self.workspace, self.counters
-
-
-_states: dict[tuple[int, int], _GroupedState] = {}
 _launchers: dict[tuple, object] = {}
 
 
@@ -233,11 +215,12 @@ def _launch(
 
         spec = grouped_gemv_spec(k, _GEMV_DTYPES[A.dtype], gate_up, stages)
         fn = _launchers[key] = launcher(spec)
-    stream = current_raw_stream(dev)
-    state = _states.get((dev, stream))
-    if state is None:
-        state = _states[(dev, stream)] = _GroupedState(A.device)
-    ws, counters = state.get(per_split * splits if splits > 1 else 1, slots * groups)
+    # The GEMV's split-K scratch of this stream (driver memory, safe to first allocate during
+    # a graph capture): kernels on one stream run one after another, and each leaves its
+    # counters at zero.
+    ws, counters = _split_scratch(
+        dev, current_raw_stream(dev), per_split * splits if splits > 1 else 1, slots * groups
+    )
     fn(A, packed, absmax, codebook, scale, offsets, out, ws, counters,
        R, N, K, E, slots, passes, splits)  # fmt: skip
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from . import device as _device
-from .compile import MisalignedError, current_raw_stream, launcher
+from .compile import MisalignedError, current_device, current_raw_stream, launcher, stream_launcher
 from .format import (
     BLOCK,
     K_BITS,
@@ -57,6 +57,9 @@ __all__ = [
 _OUT_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _GEMV_DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 _is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+# Module globals (tests and the --mock benchmark stub them): torch's C entry points.
+_current_device = current_device
 _raw_stream = current_raw_stream
 
 
@@ -226,6 +229,7 @@ def _(packed, absmax, codebook, scale, k, N, K, dtype, out):
 
 GEMV_MAX_M = 4
 _COLS_PER_GROUP = 64
+_M_BUCKET = (0, 1, 2, 4, 4)  # M -> the compiled rows bucket of the GEMV
 
 
 def gemv_splits(N: int, K: int, sm_count: int, m: int = 1) -> int:
@@ -246,28 +250,88 @@ def gemv_splits(N: int, K: int, sm_count: int, m: int = 1) -> int:
     return 1 << (max(want, 1).bit_length() - 1)
 
 
-class _SplitKState:
-    """Per (device, stream) fp32 workspace and zeroed counters for split-K; grown, never
-    shrunk. The kernel leaves the counters at zero, so nothing is cleared per call."""
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.workspace = torch.empty(1 << 16, dtype=torch.float32, device=device)
-        self.counters = torch.zeros(4096, dtype=torch.int32, device=device)
+
+class _SplitKState:
+    """Split-K scratch of one (device, stream): an fp32 workspace and int32 counters that the
+    kernel leaves at zero, so nothing is cleared per call. Per stream, so GEMVs on two
+    streams never share counters. Driver memory (``device.scratch_tensor``), outside torch's
+    caching allocator: a first call inside a CUDA-graph capture or inductor's graph pool
+    (``mode="reduce-overhead"``) allocates nothing there. Grows to powers of two; an
+    outgrown buffer stays allocated, since plans and captured graphs may still use it."""
+
+    def __init__(self, dev: int):
+        self.dev = dev
+        self.workspace: torch.Tensor | None = None
+        self.counters: torch.Tensor | None = None
 
     def get(self, ws_elems: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.workspace.numel() < ws_elems:
-            self.workspace = torch.empty(ws_elems, dtype=torch.float32, device=self.device)
-        if self.counters.numel() < groups:
-            self.counters = torch.zeros(groups, dtype=torch.int32, device=self.device)
+        if self.workspace is None or self.workspace.numel() < ws_elems:
+            n = _pow2(max(ws_elems, 1 << 16))
+            self.workspace = _device.scratch_tensor(self.dev, n, torch.float32)
+        if self.counters is None or self.counters.numel() < groups:
+            n = _pow2(max(groups, 4096))
+            self.counters = _device.scratch_tensor(self.dev, n, torch.int32, zero=True)
         return self.workspace, self.counters
 
 
 _split_states: dict[tuple[int, int], _SplitKState] = {}
-# (k, N, K, device) -> (K splits, int32 words of the weight): one dict lookup per call
-_gemv_plans: dict[tuple[int, int, int, int], tuple[int, int, int]] = {}
-# (k, m bucket, dtype) -> launch function
+
+
+def _split_scratch(dev: int, stream: int, ws_elems: int, groups: int):
+    """(workspace, counters) of a (device, stream), at least ws_elems and groups long."""
+    state = _split_states.get((dev, stream))
+    if state is None:
+        state = _split_states[(dev, stream)] = _SplitKState(dev)
+    return state.get(ws_elems, groups)
+
+
+class _GemvPlan:
+    """One weight shape (k, N, K) for one activation dtype on one CUDA device, made by the
+    first call (which checks the weight's tensors in full): the sizes the hot path re-checks,
+    per M in 1..4 the launch function and split count (on first use of that M), and per
+    stream split-K scratch big enough for every M."""
+
+    __slots__ = ("k", "N", "K", "dtype", "words", "codes", "bias_shape", "groups", "splits")
+    __slots__ += ("ws_elems", "by_m", "scratch")
+
+    def __init__(self, k: int, N: int, K: int, dtype: torch.dtype, sm_count: int):
+        self.k, self.N, self.K, self.dtype = k, N, K, dtype
+        self.words = tiled_sizes(k, N, K)[0]
+        self.codes = 1 << k
+        self.bias_shape = torch.Size((N,))
+        self.groups = -(-N // 128) * 2
+        small, large = gemv_splits(N, K, sm_count), gemv_splits(N, K, sm_count, m=4)
+        self.splits = (0, small, small, large, large)
+        per_group = max(self.splits[m] * _M_BUCKET[m] for m in range(1, GEMV_MAX_M + 1))
+        self.ws_elems = per_group * self.groups * _COLS_PER_GROUP
+        self.by_m: list[tuple[object, int] | None] = [None] * (GEMV_MAX_M + 1)
+        self.scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def entry(self, M: int) -> tuple[object, int]:
+        """(launch function, splits) for M rows, loading the variant on first use."""
+        got = self.by_m[M]
+        if got is None:
+            got = self.by_m[M] = (_gemv_launcher(self.k, _M_BUCKET[M], self.dtype), self.splits[M])
+        return got
+
+
+# (k, N, K, device, A's dtype) -> plan; made only for CUDA devices and fp16/bf16
+_gemv_plans: dict[tuple[int, int, int, int, torch.dtype], _GemvPlan] = {}
+# (k, m bucket, dtype) -> launch function taking the stream last (compile.stream_launcher)
 _gemv_launchers: dict[tuple[int, int, torch.dtype], object] = {}
+
+
+def _gemv_launcher(k: int, m_bucket: int, dtype: torch.dtype):
+    fn = _gemv_launchers.get((k, m_bucket, dtype))
+    if fn is None:
+        from .kernels.gemv import gemv_spec
+
+        fn = stream_launcher(gemv_spec(k, m_bucket, _GEMV_DTYPES[dtype]))
+        _gemv_launchers[(k, m_bucket, dtype)] = fn
+    return fn
 
 
 def gemm(
@@ -279,8 +343,8 @@ def gemm(
     """out[..., N] = A[..., K] @ W^T (+ bias), W a ``KbitWeight``; output in A's dtype.
 
     M = product of A's leading dims. On CUDA (fp16/bf16) M <= 4 runs the GEMV
-    kernel; larger M dequantizes and calls cuBLAS until the GEMM kernel lands.
-    On the CPU: dequantize + matmul.
+    kernel; larger M the mma.sync GEMM (or dequantize + cuBLAS from the measured
+    crossover). On the CPU: dequantize + matmul.
     """
     if not isinstance(qw, KbitWeight):
         raise TypeError(f"gemm takes A (torch.Tensor) and qw (KbitWeight), got {type(qw).__name__}")
@@ -289,8 +353,10 @@ def gemm(
 
 def linear(A, packed, absmax, codebook, scale, k: int, N: int, K: int, bias=None, out=None):
     """``gemm`` over the weight's tensors (what ``KbitLinear`` calls: no KbitWeight per call)."""
+    if not isinstance(A, torch.Tensor):
+        raise TypeError(f"A must be a torch.Tensor, got {type(A).__name__}")
     if _is_compiling() or (
-        torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad))
+        _grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad))
     ):
         if out is None:
             return torch.ops.kbit_cute.gemm(A, packed, absmax, codebook, scale, k, N, K, bias)
@@ -299,116 +365,196 @@ def linear(A, packed, absmax, codebook, scale, k: int, N: int, K: int, bias=None
     return _gemm_impl(A, packed, absmax, codebook, scale, k, N, K, bias, out)
 
 
+def _gemm_impl(A, packed, absmax, codebook, scale, k, N, K, bias=None, out=None):
+    """Eager gemm. Inline: the hot path, a planned weight shape on CUDA, with the per-call
+    checks in the cheapest order (A's K, dtype and device; the weight's device and sizes;
+    bias and out). First calls, every error, the CPU and another current device go through
+    ``_gemm_general``; M > 4 through ``_gemm_large_m``."""
+    dev = A.get_device()
+    plan = _gemv_plans.get((k, N, K, dev, A.dtype))  # none for the CPU or other dtypes
+    shape = A.shape
+    if (
+        plan is None
+        or not shape
+        or shape[-1] != K
+        or packed.get_device() != dev
+        or packed.numel() != plan.words
+        or codebook.numel() != plan.codes
+        or (
+            bias is not None
+            and (
+                bias.shape != plan.bias_shape
+                or bias.dtype != plan.dtype
+                or bias.get_device() != dev
+                or not bias.is_contiguous()
+            )
+        )
+    ):
+        return _gemm_general(A, packed, absmax, codebook, scale, k, N, K, bias, out)
+    if out is None:
+        out = A.new_empty(*shape[:-1], N)  # ints: ~1 us cheaper than a shape tuple
+    else:
+        _check_out(A, N, out, dev)
+    M = shape[0] if len(shape) == 2 else A.numel() // K
+    if M == 0:
+        return out
+    if M > GEMV_MAX_M:
+        return _gemm_large_m(A, packed, absmax, codebook, scale, k, N, K, bias, out)
+    entry = plan.by_m[M]
+    if entry is None or dev != _current_device():
+        return _gemv_launch(A, packed, absmax, codebook, scale, k, N, K, bias, out, M, None, dev)
+    stream = _raw_stream(dev)
+    scratch = plan.scratch.get(stream)
+    if scratch is None:
+        scratch = plan.scratch[stream] = _split_scratch(dev, stream, plan.ws_elems, plan.groups)
+    if not A.is_contiguous():
+        A = A.contiguous()
+    fn, splits = entry
+    try:
+        fn(
+            A, packed, absmax, codebook, scale, out if bias is None else bias, out, scratch[0],
+            scratch[1], M, N, K, splits, 0 if bias is None else 1, stream,
+        )  # fmt: skip
+    except MisalignedError:
+        args = (packed, absmax, codebook, scale, bias, out, scratch, M, N, K, splits, stream)
+        _launch_gemv(fn, A.clone(memory_format=torch.contiguous_format), *args)
+    return out
+
+
 def _check_gemm_args(A, packed, absmax, codebook, scale, k, N, K, bias, out):
-    """Everything but the weight's own consistency, in the cheapest order (hot path)."""
+    """Everything but the weight's own consistency (``check_weight``); the device index."""
     if not isinstance(A, torch.Tensor):
         raise TypeError(f"A must be a torch.Tensor, got {type(A).__name__}")
     if A.ndim == 0 or A.shape[-1] != K:
         raise ValueError(f"A's last dimension must be the weight's K={K}, got shape {A.shape}")
     dev = A.get_device()
-    if packed.get_device() != dev:
-        raise ValueError(f"A is on {A.device} but the weight is on {packed.device}; move one")
+    if not isinstance(packed, torch.Tensor) or packed.get_device() != dev:
+        where = packed.device if isinstance(packed, torch.Tensor) else type(packed).__name__
+        raise ValueError(f"A is on {A.device} but the weight is on {where}; move one")
     if dev >= 0 and A.dtype not in _GEMV_DTYPES:
         raise TypeError(
             f"on CUDA, A must be float16 or bfloat16, got {A.dtype}; convert the input "
             "(and the model: model.half() or model.to(torch.bfloat16))"
         )
     if bias is not None and (
-        bias.shape != (N,) or bias.get_device() != dev or bias.dtype != A.dtype
+        not isinstance(bias, torch.Tensor)
+        or bias.shape != (N,)
+        or bias.get_device() != dev
+        or bias.dtype != A.dtype
     ):
-        raise ValueError(
-            f"bias must be a {A.dtype} tensor of shape ({N},) on {A.device}, "
-            f"got {bias.dtype} {tuple(bias.shape)} on {bias.device}"
+        got = (
+            f"{bias.dtype} {tuple(bias.shape)} on {bias.device}"
+            if isinstance(bias, torch.Tensor)
+            else type(bias).__name__
         )
-    if out is not None and (
+        raise ValueError(
+            f"bias must be a {A.dtype} tensor of shape ({N},) on {A.device}, got {got}"
+        )
+    if out is not None:
+        _check_out(A, N, out, dev)
+    return dev
+
+
+def _check_out(A, N, out, dev):
+    if not isinstance(out, torch.Tensor) or (
         out.shape[:-1] != A.shape[:-1]
-        or out.shape[-1] != N
+        or out.shape[-1:] != (N,)
         or out.dtype != A.dtype
         or out.get_device() != dev
         or not out.is_contiguous()
     ):
+        got = (
+            f"{out.dtype} {tuple(out.shape)} on {out.device}"
+            if isinstance(out, torch.Tensor)
+            else type(out).__name__
+        )
         raise ValueError(
             f"out must be a contiguous {A.dtype} tensor of shape {(*A.shape[:-1], N)} on "
-            f"{A.device}, got {out.dtype} {tuple(out.shape)} on {out.device}"
+            f"{A.device}, got {got}"
         )
-    return dev
 
 
-def _gemm_impl(A, packed, absmax, codebook, scale, k, N, K, bias=None, out=None):
+def _gemm_general(A, packed, absmax, codebook, scale, k, N, K, bias=None, out=None):
+    """Every case of eager gemm, with every check: the first call for a weight shape (which
+    plans it), the CPU, errors."""
     dev = _check_gemm_args(A, packed, absmax, codebook, scale, k, N, K, bias, out)
-    plan = _gemv_plans.get((k, N, K, dev))
-    if plan is None or packed.numel() != plan[1] or codebook.numel() != 1 << k:
-        # First call for this shape (or a weight whose tensors disagree with its k, N, K).
-        plan = _plan(packed, absmax, codebook, scale, k, N, K, dev)
     if dev < 0:
         if A.device != packed.device:  # CPU vs meta, say: both report device index -1
             raise ValueError(f"A is on {A.device} but the weight is on {packed.device}; move one")
+        check_weight(packed, absmax, codebook, scale, k, N, K)  # no plan: every CPU call
         W = _dequantize_reference(_as_weight(packed, absmax, codebook, scale, k, N, K), A.dtype)
         r = torch.nn.functional.linear(A, W, bias)
         return r if out is None else out.copy_(r)
+    _plan(packed, absmax, codebook, scale, k, N, K, dev, A.dtype)
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()  # the kernels read bias[n] at n
     if out is None:
-        out = A.new_empty((*A.shape[:-1], N))
+        out = A.new_empty(*A.shape[:-1], N)
     M = A.numel() // K
     if M == 0:
         return out
     if M > GEMV_MAX_M:
         return _gemm_large_m(A, packed, absmax, codebook, scale, k, N, K, bias, out)
-    splits = plan[2] if M > 2 else plan[0]
-    return _gemv_launch(A, packed, absmax, codebook, scale, k, N, K, bias, out, M, splits, dev)
+    return _gemv_launch(A, packed, absmax, codebook, scale, k, N, K, bias, out, M, None, dev)
 
 
-def _plan(packed, absmax, codebook, scale, k, N, K, dev) -> tuple[int, int]:
-    """First call for a weight shape on a device: check the weight, choose the splits."""
-    check_weight(packed, absmax, codebook, scale, k, N, K)
-    if dev < 0:
-        return 1, 0  # CPU: nothing to plan; not cached, so every CPU call is checked
-    props = _device.check_device(dev)
-    sms = props.sm_count
-    plan = (gemv_splits(N, K, sms), packed.numel(), gemv_splits(N, K, sms, m=4))
-    _gemv_plans[(k, N, K, dev)] = plan
+def _plan(packed, absmax, codebook, scale, k, N, K, dev: int, dtype) -> _GemvPlan:
+    """The plan of a weight shape on a CUDA device: made on first use after checking the
+    weight's tensors and the GPU; remade when the tensors disagree with it."""
+    plan = _gemv_plans.get((k, N, K, dev, dtype))
+    if plan is None or packed.numel() != plan.words or codebook.numel() != plan.codes:
+        check_weight(packed, absmax, codebook, scale, k, N, K)
+        props = _device.check_device(dev)
+        if plan is None:
+            plan = _gemv_plans[(k, N, K, dev, dtype)] = _GemvPlan(k, N, K, dtype, props.sm_count)
     return plan
 
 
 def _gemv_launch(A, packed, absmax, codebook, scale, k, N, K, bias, out, M, splits, dev):
+    """The GEMV on checked CUDA arguments with a plan, off the hot path: the first launch
+    of an M, a device other than the current one, an explicit split count."""
+    if dev != _current_device():
+        with torch.cuda.device(dev):
+            return _gemv_launch(
+                A, packed, absmax, codebook, scale, k, N, K, bias, out, M, splits, dev
+            )
+    plan = _gemv_plans[(k, N, K, dev, A.dtype)]
+    fn, plan_splits = plan.entry(M)
+    splits = splits or plan_splits
+    stream = _raw_stream(dev)
+    scratch = _split_scratch(
+        dev, stream, splits * _M_BUCKET[M] * plan.groups * _COLS_PER_GROUP, plan.groups
+    )
     if not A.is_contiguous():
         A = A.contiguous()
-    m_bucket = 1 if M == 1 else 2 if M == 2 else 4
-    fn = _gemv_launchers.get((k, m_bucket, A.dtype))
-    if fn is None:
-        from .kernels.gemv import gemv_spec
-
-        fn = launcher(gemv_spec(k, m_bucket, _GEMV_DTYPES[A.dtype]))
-        _gemv_launchers[(k, m_bucket, A.dtype)] = fn
-    stream = _raw_stream(dev)
-    state = _split_states.get((dev, stream))
-    if state is None:
-        state = _split_states[(dev, stream)] = _SplitKState(A.device)
-    groups = -(-N // 128) * 2
-    ws, counters = state.workspace, state.counters
-    if ws.numel() < splits * m_bucket * groups * _COLS_PER_GROUP or counters.numel() < groups:
-        ws, counters = state.get(splits * m_bucket * groups * _COLS_PER_GROUP, groups)
-    has_bias = bias is not None
-    args = [
-        A, packed, absmax, codebook, scale, bias if has_bias else out, out, ws, counters,
-        M, N, K, splits, int(has_bias),
-    ]  # fmt: skip
     try:
-        fn(*args)
+        _launch_gemv(
+            fn, A, packed, absmax, codebook, scale, bias, out, scratch, M, N, K, splits, stream
+        )
     except MisalignedError:
         # A view that does not start on a 16-byte boundary (the other pointers are ours or
         # only need element alignment): copy it to fresh storage and launch again.
-        args[0] = A.clone(memory_format=torch.contiguous_format)
-        fn(*args)
+        A = A.clone(memory_format=torch.contiguous_format)
+        _launch_gemv(
+            fn, A, packed, absmax, codebook, scale, bias, out, scratch, M, N, K, splits, stream
+        )
     return out
+
+
+def _launch_gemv(
+    fn, A, packed, absmax, codebook, scale, bias, out, scratch, M, N, K, splits, stream
+):
+    has_bias = bias is not None
+    fn(
+        A, packed, absmax, codebook, scale, bias if has_bias else out, out, scratch[0],
+        scratch[1], M, N, K, splits, int(has_bias), stream,
+    )  # fmt: skip
 
 
 def _gemv(A, qw: KbitWeight, bias, out, M: int, splits: int | None = None):
     """The GEMV on CUDA tensors with an explicit split count (benchmarks, tests)."""
     dev = A.get_device()
-    _plan(qw.packed, qw.absmax, qw.codebook, qw.scale, qw.k, qw.N, qw.K, dev)
-    if splits is None:
-        plan = _gemv_plans[(qw.k, qw.N, qw.K, dev)]
-        splits = plan[2] if M > 2 else plan[0]
+    _plan(qw.packed, qw.absmax, qw.codebook, qw.scale, qw.k, qw.N, qw.K, dev, A.dtype)
     args = (A, qw.packed, qw.absmax, qw.codebook, qw.scale, qw.k, qw.N, qw.K, bias, out, M)
     return _gemv_launch(*args, splits, dev)
 

@@ -7,7 +7,9 @@ rounds, microseconds per call. Shown next to ``F.linear`` / ``nn.Linear`` on
 the same machine. The target is <= 10 us for ``kbit_cute.gemm``.
 
 ``--mock`` runs on a machine without a GPU: the CUDA device, stream and the
-FFI launch are stubs, so it measures only the Python of the call path.
+FFI launch are stubs (CPU tensors take the CUDA hot path), so it measures only
+the Python of the call path, then its parts one by one; ``--mock --profile``
+prints a cProfile of ``KbitLinear`` calls.
 """
 
 from __future__ import annotations
@@ -30,21 +32,32 @@ CALLS = 10_000
 ROUNDS = 5
 
 
-def per_call_us(fn, sync) -> float:
-    for _ in range(200):
+def per_call_us(
+    fn, sync, clock=time.perf_counter, rounds=ROUNDS, pick=statistics.median, warmup=200
+):
+    for _ in range(warmup):
         fn()
     sync()
     times = []
-    for _ in range(ROUNDS):
-        t0 = time.perf_counter()
+    for _ in range(rounds):
+        t0 = clock()
         for _ in range(CALLS):
             fn()
         sync()
-        times.append((time.perf_counter() - t0) / CALLS * 1e6)
-    return statistics.median(times)
+        times.append((clock() - t0) / CALLS * 1e6)
+    return pick(times)
+
+
+def cpu_us(fn) -> float:
+    """The mock's timer: this thread's CPU time (``time.thread_time``; nothing waits on a
+    device there), best of 15 rounds, so other processes on a shared machine inflate it
+    as little as possible."""
+    return per_call_us(fn, lambda: None, time.thread_time, rounds=15, pick=min, warmup=CALLS)
 
 
 def gpu_rows(K: int, N: int, k: int, dtype: torch.dtype) -> list[tuple[str, float]]:
+    from kbit_cute.kernels.gemv import gemv_spec
+
     A = torch.randn(1, K, device="cuda", dtype=dtype)
     W = torch.randn(N, K, device="cuda", dtype=dtype) * 0.05
     qw = kbit_cute.quantize(W, k)
@@ -52,72 +65,98 @@ def gpu_rows(K: int, N: int, k: int, dtype: torch.dtype) -> list[tuple[str, floa
     lin = torch.nn.Linear(K, N, device="cuda", dtype=dtype)
     qlin = kbit_cute.KbitLinear.from_linear(lin, k)
     sync = torch.cuda.synchronize
-    kbit_cute.gemm(A, qw)  # compile or load before timing
-    splits = ops.gemv_splits(N, K, torch.cuda.get_device_properties(0).multi_processor_count)
-    ws = torch.empty(1 << 16, device="cuda")
-    cnt = torch.zeros(4096, device="cuda", dtype=torch.int32)
+    with torch.inference_mode():
+        kbit_cute.gemm(A, qw)  # compile or load before timing
+        kbit_cute.gemm(A, qw)  # the hot path from here on
+    plan = ops._gemv_plans[(k, N, K, A.get_device(), dtype)]
+    ws, cnt = plan.scratch[torch.cuda.current_stream().cuda_stream]
+    spec = gemv_spec(k, 1, "f16" if dtype == torch.float16 else "bf16")
+    raw = kc.launcher(spec)
+    raw_args = (A, qw.packed, qw.absmax, qw.codebook, qw.scale, out, out, ws, cnt)
+    raw_args += (1, N, K, plan.splits[1], 0)
+    stream = torch.cuda.current_stream().cuda_stream
+    # The bare FFI function with the pointers read beforehand: the floor under any launcher.
+    _, ffi = kc._load(spec)
+    ptrs = [t.data_ptr() for t in raw_args[:9]]
+    ffi_args = (*ptrs, *raw_args[9:], stream)
+    rows = [
+        ("kbit_cute.gemm(A, qw)", lambda: kbit_cute.gemm(A, qw)),
+        ("kbit_cute.gemm(A, qw, out=out)", lambda: kbit_cute.gemm(A, qw, out=out)),
+        ("KbitLinear(A)", lambda: qlin(A)),
+        ("launcher(spec)(...) only", lambda: raw(*raw_args)),
+        ("tvm_ffi function, int args only", lambda: ffi(*ffi_args)),
+        ("A.new_empty(1, N) (CUDA)", lambda: A.new_empty(1, N)),
+        ("F.linear(A, W)", lambda: F.linear(A, W)),
+        ("nn.Linear(A)", lambda: lin(A)),
+    ]
+    with torch.inference_mode():
+        return [(name, per_call_us(fn, sync)) for name, fn in rows]
+
+
+def install_mock(K: int, N: int, k: int, dtype: torch.dtype, sm_count: int = 132):
+    """Stub the device so CPU tensors take the CUDA hot path: device index -1 plays the GPU
+    (a plan for it, the current device and stream stubbed, CPU scratch, a stub FFI).
+    Returns (A, qw, KbitLinear, launch function)."""
+    from kbit_cute import device as kdev
     from kbit_cute.kernels.gemv import gemv_spec
 
-    raw = kc.launcher(gemv_spec(k, 1, "f16" if dtype == torch.float16 else "bf16"))
-    raw_args = (
-        A,
-        qw.packed,
-        qw.absmax,
-        qw.codebook,
-        qw.scale,
-        out,
-        out,
-        ws,
-        cnt,
-        1,
-        N,
-        K,
-        splits,
-        0,
-    )
+    spec = gemv_spec(k, 1, "f16" if dtype == torch.float16 else "bf16")
+    params = kc.kernel_params(spec)
+    stub = kc.make_launch(spec.name, params, lambda *a: None, stream_arg=True)
+    ops._gemv_launchers[(k, 1, dtype)] = stub
+    ops._current_device = lambda: -1
+    ops._raw_stream = lambda dev: 0
+    kdev.scratch_tensor = lambda index, n, dt, zero=False: torch.zeros(n, dtype=dt)
+    ops._gemv_plans[(k, N, K, -1, dtype)] = ops._GemvPlan(k, N, K, dtype, sm_count)
+    A = torch.randn(1, K, dtype=dtype)
+    qw = kbit_cute.quantize(torch.randn(N, K, dtype=dtype), k)
+    qlin = kbit_cute.KbitLinear.from_linear(torch.nn.Linear(K, N, dtype=dtype), k)
     with torch.inference_mode():
-        return [
-            ("kbit_cute.gemm(A, qw)", per_call_us(lambda: kbit_cute.gemm(A, qw), sync)),
-            (
-                "kbit_cute.gemm(A, qw, out=out)",
-                per_call_us(lambda: kbit_cute.gemm(A, qw, out=out), sync),
-            ),
-            ("KbitLinear(A)", per_call_us(lambda: qlin(A), sync)),
-            ("launcher(spec)(...) only", per_call_us(lambda: raw(*raw_args), sync)),
-            ("F.linear(A, W)", per_call_us(lambda: F.linear(A, W), sync)),
-            ("nn.Linear(A)", per_call_us(lambda: lin(A), sync)),
-        ]
+        kbit_cute.gemm(A, qw)  # loads the launch function (the stub)
+        kbit_cute.gemm(A, qw)  # the hot path from here on: takes the stream's scratch
+    return A, qw, qlin, stub
 
 
 def mock_rows(K: int, N: int, k: int, dtype: torch.dtype) -> list[tuple[str, float]]:
-    """The Python of the eager path with a stub device (index -1), stream and FFI launch."""
-    from kbit_cute.kernels.gemv import gemv_spec
-
-    name = "f16" if dtype == torch.float16 else "bf16"
-    spec = gemv_spec(k, 1, name)
-    params = kc.kernel_params(spec)
-    stub = kc.make_launch(spec.name, params, lambda *a: None, lambda: -1, lambda d: 0)
-    # Route the CUDA branch to the stubs: device index -1 plays the GPU.
-    ops._gemv_launchers[(k, 1, dtype)] = stub
-    ops._raw_stream = lambda dev: 0
-    A = torch.randn(1, K, dtype=dtype)
-    qw = kbit_cute.quantize(torch.randn(N, K, dtype=dtype), k)
+    """The Python of the eager path with a stub device, stream and FFI launch (install_mock),
+    then its parts one by one."""
+    A, qw, qlin, stub = install_mock(K, N, k, dtype)
     out = torch.empty(1, N, dtype=dtype)
-    ops._gemv_plans[(k, N, K, -1)] = (1, qw.packed.numel(), 1)
-    args = (A, qw.packed, qw.absmax, qw.codebook, qw.scale, k, N, K, None, out, 1, 1, -1)
-    ws, cnt = torch.empty(1 << 16), torch.zeros(4096, dtype=torch.int32)
-    raw_args = (A, qw.packed, qw.absmax, qw.codebook, qw.scale, out, out, ws, cnt, 1, N, K, 1, 0)
+    ws, cnt = ops._gemv_plans[(k, N, K, -1, dtype)].scratch[0]
+    raw_args = (A, qw.packed, qw.absmax, qw.codebook, qw.scale, out, out, ws, cnt, 1, N, K, 1, 0, 0)
     wargs = (A, qw.packed, qw.absmax, qw.codebook, qw.scale, k, N, K, None, None)
-
-    def nosync():
-        pass
-
-    return [
-        ("checks (_check_gemm_args)", per_call_us(lambda: ops._check_gemm_args(*wargs), nosync)),
-        ("output allocation", per_call_us(lambda: A.new_empty((*A.shape[:-1], N)), nosync)),
-        ("_gemv_launch (stub FFI)", per_call_us(lambda: ops._gemv_launch(*args), nosync)),
-        ("launcher only (stub FFI)", per_call_us(lambda: stub(*raw_args), nosync)),
+    key = (k, N, K, -1, dtype)
+    rows = [
+        ("kbit_cute.gemm(A, qw)", lambda: kbit_cute.gemm(A, qw)),
+        ("kbit_cute.gemm(A, qw, out=out)", lambda: kbit_cute.gemm(A, qw, out=out)),
+        ("KbitLinear(A)", lambda: qlin(A)),
+        ("ops._gemm_impl(...)", lambda: ops._gemm_impl(*wargs)),
+        ("launcher, stream given (stub FFI)", lambda: stub(*raw_args)),
+        ("  A.new_empty(1, N)", lambda: A.new_empty(1, N)),
+        ("  A.new_empty((*A.shape[:-1], N))", lambda: A.new_empty((*A.shape[:-1], N))),
+        ("  torch.compiler.is_compiling()", ops._is_compiling),
+        ("  torch.is_grad_enabled()", torch.is_grad_enabled),
+        ("  plan lookup", lambda: ops._gemv_plans.get(key)),
+        ("  _check_gemm_args (first calls only)", lambda: ops._check_gemm_args(*wargs)),
     ]
+    with torch.inference_mode():
+        return [(name, cpu_us(fn)) for name, fn in rows]
+
+
+def profile_mock(K: int, N: int, k: int, dtype: torch.dtype, calls: int = 100_000) -> None:
+    """cProfile of the mocked eager call (call counts and relative cost; cProfile's own
+    overhead inflates every function call, so read it next to the timings)."""
+    import cProfile
+    import pstats
+
+    A, qw, qlin, _ = install_mock(K, N, k, dtype)
+    prof = cProfile.Profile()
+    with torch.inference_mode():
+        prof.enable()
+        for _ in range(calls):
+            qlin(A)
+        prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(12)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,20 +166,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--N", type=int, default=256)
     p.add_argument("--dtype", choices=["f16", "bf16"], default="f16")
     p.add_argument("--mock", action="store_true", help="no GPU: time the Python path only")
+    p.add_argument("--profile", action="store_true", help="with --mock: cProfile KbitLinear")
     p.add_argument("--json", default=os.environ.get("OUT", ".") + "/bench_host_overhead.json")
     args = p.parse_args(argv)
     dtype = torch.float16 if args.dtype == "f16" else torch.bfloat16
     if args.mock:
         os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+        if args.profile:
+            profile_mock(args.K, args.N, args.k, dtype)
+            return 0
         rows = mock_rows(args.K, args.N, args.k, dtype)
-        where = "CPU only, stubbed launch"
+        where = "CPU only, stubbed launch, thread CPU time, best of 15 rounds"
     else:
         rows = gpu_rows(args.K, args.N, args.k, dtype)
         where = torch.cuda.get_device_name()
     print(
         f"host time per eager call, M=1, K={args.K}, N={args.N}, k={args.k}, {args.dtype}, {where}"
     )
-    print(f"({CALLS} calls per round, median of {ROUNDS} rounds, perf_counter)")
+    if not args.mock:
+        print(f"({CALLS} calls per round, median of {ROUNDS} rounds, perf_counter)")
     print(
         tabulate(
             [(n, f"{us:.2f}") for n, us in rows], headers=["call", "us/call"], tablefmt="github"

@@ -259,6 +259,53 @@ def test_checked_launch_names_a_wrong_dtype():
     assert calls == []
 
 
+def test_stream_arg_launch_takes_the_callers_stream():
+    """``stream_arg=True``: the stream is the last argument; no device lookup (the caller
+    made the device current); alignment is still checked."""
+    calls = []
+    params = kc.kernel_params(dequantize_spec(4, "f16"))
+
+    def no_device():
+        raise AssertionError("a stream_arg launch must not ask for the current device")
+
+    fn = kc.make_launch("dq_s", params, lambda *a: calls.append(a), no_device, stream_arg=True)
+    tensors, N, K = dq_args()
+    fn(*tensors, N, K, 4242)
+    assert calls == [(*[t.data_ptr() for t in tensors], N, K, 4242)]
+    base = torch.empty(N * K + 1, dtype=torch.float16)
+    tensors[4] = base[1:].view(N, K).as_subclass(FakeCuda)
+    with pytest.raises(kc.MisalignedError, match="'pOut'"):
+        fn(*tensors, N, K, 4242)
+    assert len(calls) == 1
+
+
+def test_checked_stream_arg_launch_names_a_wrong_device():
+    calls = []
+    params = kc.kernel_params(dequantize_spec(4, "f16"))
+    fn = kc.make_launch(
+        "dq_s", params, lambda *a: calls.append(a), lambda: 3, check=True, stream_arg=True
+    )
+    tensors, N, K = dq_args()
+    with pytest.raises(ValueError, match="device 7, not the current one"):
+        fn(*tensors, N, K, 1)
+    with pytest.raises(TypeError, match="takes 7 arguments"):
+        fn(*tensors, N, 1)
+    assert calls == []
+
+
+def test_stream_launcher_shares_the_loaded_variant(cache, monkeypatch):
+    for name in ("_loaded", "_launchers", "_stream_launchers"):
+        monkeypatch.setattr(kc, name, {})
+    spec = dequantize_spec(3, "f32")
+    before = dict(kc.stats)
+    fn = kc.stream_launcher(spec)
+    assert kc.stream_launcher(spec) is fn and fn.__name__ == spec.name
+    kc.launcher(spec)
+    loads = kc.stats["compiled"] + kc.stats["disk_hits"]
+    assert loads == before["compiled"] + before["disk_hits"] + 1  # one compile or load for both
+    assert "stream" in fn.__doc__
+
+
 def test_launcher_compiles_once_and_caches_in_memory(cache):
     spec = dequantize_spec(2, "f32")
     fn = kc.launcher(spec)

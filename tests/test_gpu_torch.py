@@ -17,6 +17,7 @@ from torch import nn
 import kbit_cute
 from kbit_cute import compile as kc
 from kbit_cute import device as kdev
+from kbit_cute import gemm_dispatch, ops
 from kbit_cute.nn import KbitLinear, quantize_model
 
 pytestmark = pytest.mark.gpu
@@ -74,29 +75,108 @@ def test_compile_fullgraph_mlp_matches_eager(dtype, M):
     torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.xfail(
-    reason="known limitation: the split-K workspace is allocated on the first call, which "
-    "under mode='reduce-overhead' happens inside inductor's cudagraph pool (RuntimeError: "
-    "tensors in the cudagraph pool not tracked as outputs). Plain torch.cuda.graph capture "
-    "and torch.compile without cudagraphs pass.",
-    raises=RuntimeError,
-    strict=True,
-)
+@pytest.fixture
+def no_scratch(monkeypatch):
+    """No plan and no split-K scratch yet for any stream: the next call allocates them."""
+    monkeypatch.setattr(ops, "_gemv_plans", {})
+    monkeypatch.setattr(ops, "_split_states", {})
+    monkeypatch.setattr(gemm_dispatch, "_buffers", {})
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_compile_reduce_overhead_matches_eager(dtype):
+@pytest.mark.parametrize("M", (1, 16))  # the GEMV and the mma GEMM, both with split-K
+def test_compile_reduce_overhead_matches_eager(dtype, M, no_scratch):
+    """Inductor's CUDA graphs: the split-K scratch is first allocated inside its warm-up,
+    whose allocations go to the graph pool; it must come from the driver instead (it used
+    to fail with 'tensors in the cudagraph pool not tracked as outputs')."""
     model = mlp(4, dtype)
-    x = torch.randn(1, 1024, device="cuda", dtype=dtype)
+    x = torch.randn(M, 1024, device="cuda", dtype=dtype)
     with torch.inference_mode():
-        eager = model(x)
         torch._dynamo.reset()
         f = torch.compile(model, fullgraph=True, mode="reduce-overhead")
-        for _ in range(3):  # record, then replay the inductor CUDA graph
-            got = f(x)
-    torch.testing.assert_close(got, eager, rtol=2e-2, atol=2e-2)
+        got = [f(x).clone() for _ in range(4)]  # warm-up, record, replays
+        eager = model(x)
+    assert not torch.isnan(eager).any()
+    for g in got:
+        torch.testing.assert_close(g, eager, rtol=2e-2, atol=2e-2)
+
+
+def test_scratch_tensor_is_driver_memory():
+    dev = torch.cuda.current_device()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(dev)
+    c = kdev.scratch_tensor(dev, 5000, torch.int32, zero=True)
+    w = kdev.scratch_tensor(dev, 7, torch.float32)
+    assert torch.cuda.memory_allocated(dev) == before  # not torch's caching allocator
+    assert c.shape == (5000,) and c.dtype == torch.int32 and c.get_device() == dev
+    assert w.shape == (7,) and w.dtype == torch.float32 and w.is_contiguous()
+    assert not c.any()
+    c.fill_(3)
+    w.fill_(1.5)
+    assert c.sum().item() == 15000 and w.sum().item() == 10.5
+
+
+def test_scratch_tensor_inside_graph_capture():
+    """Allocated and zeroed at once during a capture: nothing of it enters the graph."""
+    dev = torch.cuda.current_device()
+    x = torch.ones(4096, device="cuda", dtype=torch.int32)
+    x + 1  # warm-up outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        c = kdev.scratch_tensor(dev, 4096, torch.int32, zero=True)
+        y = x + c
+    assert not c.any()  # zero now, before any replay
+    c.fill_(5)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.all(y == 6)
+
+
+@pytest.mark.parametrize("k", KS)
+def test_first_gemv_of_a_shape_inside_graph_capture(k, gen, no_scratch):
+    """The capture stream's scratch and a new shape's plan are made during the capture."""
+    dtype = torch.float16
+    warm = kbit_cute.quantize(torch.randn(256, 512, generator=gen).to("cuda", dtype), k)
+    kbit_cute.gemm(torch.randn(1, 512, device="cuda", dtype=dtype), warm)  # loads the kernel
+    qw = kbit_cute.quantize(torch.randn(384, 8192, generator=gen).to("cuda", dtype), k)
+    static_x = torch.randn(1, 8192, device="cuda", dtype=dtype)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.inference_mode(), torch.cuda.graph(g):
+        static_y = kbit_cute.gemm(static_x, qw)
+    assert ops._gemv_plans[(k, 384, 8192, static_x.get_device(), dtype)].splits[1] > 1
+    with torch.inference_mode():
+        for _ in range(3):
+            static_x.copy_(torch.randn(1, 8192, generator=gen).to("cuda", dtype))
+            g.replay()
+            assert torch.equal(static_y, kbit_cute.gemm(static_x, qw))
+
+
+def test_two_streams_run_gemvs_at_once(gen, no_scratch):
+    """Per-stream split-K counters: GEMVs on two streams at once stay correct."""
+    dtype, dev = torch.bfloat16, torch.cuda.current_device()
+    qw = kbit_cute.quantize(torch.randn(256, 8192, generator=gen).to("cuda", dtype), 4)
+    xs = [torch.randn(M, 8192, generator=gen).to("cuda", dtype) for M in (1, 3)]
+    with torch.inference_mode():
+        expect = [kbit_cute.gemm(x, qw) for x in xs]
+        streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+        torch.cuda.synchronize()
+        outs = [[], []]
+        for _ in range(50):
+            for i, (s, x) in enumerate(zip(streams, xs, strict=True)):
+                with torch.cuda.stream(s):
+                    outs[i].append(kbit_cute.gemm(x, qw))
+        torch.cuda.synchronize()
+    for i in range(2):
+        assert all(torch.equal(o, expect[i]) for o in outs[i])
+    a, b = (ops._split_states[(dev, s.cuda_stream)] for s in streams)
+    assert a.counters.data_ptr() != b.counters.data_ptr()
+    assert not a.counters.any() and not b.counters.any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M", (1, 3))
+@pytest.mark.parametrize("M", (1, 3, 16))
 def test_cuda_graph_capture_and_replay_match_eager(dtype, M):
     model = mlp(3, dtype, depth=6)
     static_x = torch.randn(M, 1024, device="cuda", dtype=dtype)
@@ -228,11 +308,20 @@ def test_host_overhead_per_eager_call():
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / n * 1e6
 
+    lin = torch.nn.Linear(K, N, device="cuda", dtype=torch.float16)
+    qlin = KbitLinear.from_linear(lin, 4)
     with torch.inference_mode():
         ours = min(per_call(lambda: kbit_cute.gemm(A, qw)) for _ in range(3))
         ref = min(per_call(lambda: torch.nn.functional.linear(A, W)) for _ in range(3))
-    print(f"\nhost time per call: kbit_cute.gemm {ours:.1f} us, F.linear {ref:.1f} us")
-    assert ours < 50  # target 10 us; a generous bound against regressions to ~85 us
+        mod = min(per_call(lambda: qlin(A)) for _ in range(3))
+        ref_mod = min(per_call(lambda: lin(A)) for _ in range(3))
+    print(
+        f"\nhost time per call: kbit_cute.gemm {ours:.1f} us, F.linear {ref:.1f} us; "
+        f"KbitLinear {mod:.1f} us, nn.Linear {ref_mod:.1f} us"
+    )
+    # Target 10 us (perf/bench_host_overhead.py reports it); here: below cuBLAS's path on
+    # the same machine, and a generous absolute bound against regressions.
+    assert ours < ref and mod < ref_mod and ours < 20
 
 
 def test_warmup_loads_every_requested_variant(tmp_path, monkeypatch):

@@ -181,53 +181,228 @@ def test_fake_impl_validates_under_compile(gen):
         f(torch.randn(2, 32))
 
 
+def test_kbit_linear_compiles_fullgraph_into_the_op(gen):
+    """KbitLinear.forward reads its buffers from the module's dicts (hot path): dynamo still
+    traces it into ``kbit_cute::gemm`` without a graph break."""
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    m = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.SiLU(), torch.nn.Linear(96, 32))
+    q = kbit_cute.quantize_model(m, k=3, progress=False)
+    x = torch.randn(3, 64, generator=gen)
+    torch._dynamo.reset()
+    explain = torch._dynamo.explain(q)(x)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    ops_in_graph = {
+        getattr(n.target, "_qualified_op_name", "") for g in explain.graphs for n in g.graph.nodes
+    }
+    assert "kbit_cute::gemm" in ops_in_graph, ops_in_graph
+    assert torch.equal(torch.compile(q, fullgraph=True, backend="aot_eager")(x), q(x))
+
+
 class FakeCuda(torch.Tensor):
     """A CPU tensor that reports CUDA device index 7: drives the CUDA branch of the dispatch
-    on a machine without a GPU (the kernel launch itself is a stub)."""
+    on a machine without a GPU (the kernel launch itself is a stub). Its torch function
+    handling is off, so its results are plain tensors (device index -1)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
 
     def get_device(self):
         return 7
 
 
-@pytest.mark.parametrize("M,bias", [(1, True), (3, False), (2, True)])
-def test_cuda_dispatch_passes_the_kernel_arguments_in_order(M, bias, monkeypatch, gen):
+def fake(t):
+    return t.as_subclass(FakeCuda)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Device 7 of 132 SMs behind stubs: the current device and stream (``streams[0]``, which
+    a test may change), scratch memory (CPU zeros, poisoned where not zeroed), and a stub
+    launch function per (k, m bucket, dtype) that records its arguments in ``calls``."""
     from kbit_cute import compile as kc
     from kbit_cute import device as kdev
     from kbit_cute.kernels.gemv import gemv_spec
 
-    K, N, k, dtype = 2048, 256, 4, torch.float16
-    qw = weight(gen, N, K, k, dtype)
-    calls = []
-    m_bucket = {1: 1, 2: 2, 3: 4}[M]
-    stub = kc.make_launch(
-        "stub",
-        kc.kernel_params(gemv_spec(k, m_bucket, "f16")),
-        lambda *a: calls.append(a),
-        current_device=lambda: 7,
-        raw_stream=lambda dev: 1234,
-    )
+    calls, streams = [], [1234]
     props = kdev.DeviceProps(7, "stub", (9, 0), 132, 50 << 20, 227 << 10, 228 << 10)
+
+    def scratch(index, n, dtype, zero=False):
+        assert index == 7
+        return fake(torch.zeros(n, dtype=dtype) if zero else torch.full((n,), -7, dtype=dtype))
+
+    def launcher(k, m_bucket, dtype):
+        spec = gemv_spec(k, m_bucket, ops._GEMV_DTYPES[dtype])
+        params = kc.kernel_params(spec)
+        return kc.make_launch("stub", params, lambda *a: calls.append(a), stream_arg=True)
+
     monkeypatch.setattr(kdev, "check_device", lambda index: props)
-    monkeypatch.setattr(ops, "_raw_stream", lambda dev: 1234)
-    monkeypatch.setitem(ops._gemv_launchers, (k, m_bucket, dtype), stub)
+    monkeypatch.setattr(kdev, "scratch_tensor", scratch)
+    monkeypatch.setattr(ops, "_current_device", lambda: 7)
+    monkeypatch.setattr(ops, "_raw_stream", lambda dev: streams[0])
+    monkeypatch.setattr(ops, "_gemv_launcher", launcher)
     monkeypatch.setattr(ops, "_gemv_plans", {})
     monkeypatch.setattr(ops, "_split_states", {})
-    fake = lambda t: t.as_subclass(FakeCuda)  # noqa: E731
-    w = ops.KbitWeight(*(fake(t) for t in wargs(qw)[:4]), k, N, K, dtype)
+    return calls, streams
+
+
+def fake_weight(gen, N, K, k, dtype):
+    qw = weight(gen, N, K, k, dtype)
+    return ops.KbitWeight(*(fake(t) for t in wargs(qw)[:4]), k, N, K, dtype)
+
+
+@pytest.mark.parametrize("M,bias", [(1, True), (3, False), (2, True)])
+def test_cuda_dispatch_passes_the_kernel_arguments_in_order(M, bias, fake_gpu, gen):
+    """First call (full checks, plan) and hot-path calls launch the same arguments."""
+    calls, _ = fake_gpu
+    K, N, k, dtype = 2048, 256, 4, torch.float16
+    w = fake_weight(gen, N, K, k, dtype)
     base = torch.randn(M * K + 8, generator=gen).to(dtype)
     A = fake(base[1 : 1 + M * K].view(M, K))  # misaligned: copied before the launch
     b = fake(torch.randn(N, generator=gen).to(dtype)) if bias else None
-
-    out = kbit_cute.gemm(A, w, b)
-    assert out.shape == (M, N) and out.get_device() == 7
-    (args,) = calls  # one launch (the misaligned first try launched nothing)
+    m_bucket = {1: 1, 2: 2, 3: 4}[M]
     splits = ops.gemv_splits(N, K, 132, M)
     assert splits > 1
-    assert args[0] % 16 == 0 and args[0] != A.data_ptr()
-    assert args[1:5] == tuple(t.data_ptr() for t in wargs(qw)[:4])
-    assert args[5] == (b.data_ptr() if bias else out.data_ptr()) and args[6] == out.data_ptr()
-    assert args[9:] == (M, N, K, splits, int(bias), 1234)
+
+    for _ in range(3):  # the first call plans; then the hot path
+        calls.clear()
+        out = kbit_cute.gemm(A, w, b)
+        assert out.shape == (M, N) and out.dtype == dtype
+        (args,) = calls  # one launch (the misaligned first try launched nothing)
+        assert args[0] % 16 == 0 and args[0] != A.data_ptr()
+        assert args[1:5] == tuple(t.data_ptr() for t in wargs(w)[:4])
+        assert args[5] == (b.data_ptr() if bias else out.data_ptr()) and args[6] == out.data_ptr()
+        assert args[9:] == (M, N, K, splits, int(bias), 1234)
+        state = ops._split_states[(7, 1234)]
+        assert args[7] == state.workspace.data_ptr() and args[8] == state.counters.data_ptr()
+        assert state.workspace.numel() >= splits * m_bucket * (N // 64) * 64
+        assert state.counters.numel() >= N // 64 and not state.counters.any()
+    assert list(ops._gemv_plans) == [(k, N, K, 7, dtype)]
+
+
+def test_hot_path_keeps_every_check(fake_gpu, gen):
+    """After the plan exists, a wrong A, weight, bias or out still fails with the error of
+    the first call (the hot path falls back to the full checks)."""
+    K, N, k, dtype = 256, 128, 4, torch.float16
+    w = fake_weight(gen, N, K, k, dtype)
+    A = fake(torch.randn(1, K, generator=gen).to(dtype))
+    kbit_cute.gemm(A, w)
+    kbit_cute.gemm(A, w)
+    assert ops._gemv_plans[(k, N, K, 7, dtype)].scratch  # the hot path ran
+    bad = [
+        (lambda: kbit_cute.gemm(A[:, :64], w), ValueError, "last dimension must be"),
+        (lambda: kbit_cute.gemm(fake(torch.randn(K).to(dtype))[None, None, :32], w),
+         ValueError, "last dimension"),
+        (lambda: kbit_cute.gemm(fake(torch.randn(1, K)), w), TypeError, "float16 or bfloat16"),
+        (lambda: kbit_cute.gemm(A.as_subclass(torch.Tensor), w), ValueError, "move one"),
+        (lambda: kbit_cute.gemm(A, ops.KbitWeight(fake(w.packed[:-1]), *wargs(w)[1:], dtype)),
+         ValueError, "packed of a k=4 weight"),
+        (lambda: kbit_cute.gemm(A, ops.KbitWeight(
+            w.packed, w.absmax, fake(kbit_cute.codebook(3)), w.scale, k, N, K, dtype)),
+         ValueError, "quantized with k=4"),
+        (lambda: kbit_cute.gemm(A, w, fake(torch.zeros(N - 1, dtype=dtype))),
+         ValueError, "bias must be"),
+        (lambda: kbit_cute.gemm(A, w, fake(torch.zeros(N))), ValueError, "bias must be"),
+        (lambda: kbit_cute.gemm(A, w, torch.zeros(N, dtype=dtype)), ValueError, "bias must be"),
+        (lambda: kbit_cute.gemm(A, w, out=fake(torch.empty(1, N))), ValueError, "out must be"),
+        (lambda: kbit_cute.gemm(A, w, out=fake(torch.empty(2, N, dtype=dtype))),
+         ValueError, "out must be"),
+        (lambda: kbit_cute.gemm(A, w, out=fake(torch.empty(1, 2 * N, dtype=dtype)[:, ::2])),
+         ValueError, "out must be"),
+        (lambda: kbit_cute.gemm(A, w, out=torch.empty(1, N, dtype=dtype)),
+         ValueError, "out must be"),
+    ]  # fmt: skip
+    for make, exc, match in bad:
+        with pytest.raises(exc, match=match):
+            make()
+
+
+def test_hot_path_shapes_out_and_empty_rows(fake_gpu, gen):
+    calls, _ = fake_gpu
+    K, N, k, dtype = 256, 192, 5, torch.bfloat16
+    w = fake_weight(gen, N, K, k, dtype)
+    for shape in ((1, K), (1, 1, K), (2, 1, K), (K,), (4, K)):
+        A = fake(torch.randn(*shape, generator=gen).to(dtype))
+        for _ in range(2):
+            calls.clear()
+            out = kbit_cute.gemm(A, w)
+            assert out.shape == (*shape[:-1], N)
+            assert [c[9] for c in calls] == [A.numel() // K]
+            given = torch.full((*shape[:-1], N), float("nan"), dtype=dtype)
+            assert kbit_cute.gemm(A, w, out=fake(given)).data_ptr() == given.data_ptr()
+    assert kbit_cute.gemm(fake(torch.empty(0, K, dtype=dtype)), w).shape == (0, N)
+
+
+def test_strided_bias_is_copied_before_the_launch(fake_gpu, gen):
+    """The kernel reads bias[n] at n: a strided bias must not reach it as is."""
+    calls, _ = fake_gpu
+    K, N, k, dtype = 256, 128, 3, torch.float16
+    w = fake_weight(gen, N, K, k, dtype)
+    A = fake(torch.randn(1, K, generator=gen).to(dtype))
+    bias = fake(torch.randn(2 * N, generator=gen).to(dtype)[::2])
+    assert bias.shape == (N,) and not bias.is_contiguous()
+    for _ in range(3):
+        calls.clear()
+        kbit_cute.gemm(A, w, bias)
+        (args,) = calls
+        assert args[5] != bias.data_ptr() and args[13] == 1
+
+
+def test_each_stream_gets_its_own_zeroed_counters(fake_gpu, gen):
+    """Two streams may run GEMVs at once: their split-K counters must never be shared."""
+    calls, streams = fake_gpu
+    K, N, k, dtype = 4096, 256, 2, torch.float16
+    w = fake_weight(gen, N, K, k, dtype)
+    A = fake(torch.randn(2, K, generator=gen).to(dtype))
+    used = {}
+    for stream in (11, 22, 11, 22):
+        streams[0] = stream
+        calls.clear()
+        kbit_cute.gemm(A, w)
+        kbit_cute.gemm(A, w)
+        assert {c[-1] for c in calls} == {stream}
+        used.setdefault(stream, set()).update((c[7], c[8]) for c in calls)
+    assert all(len(v) == 1 for v in used.values())  # one buffer pair per stream, kept
+    (ws11, cnt11), (ws22, cnt22) = used[11].pop(), used[22].pop()
+    assert ws11 != ws22 and cnt11 != cnt22
+    for stream in (11, 22):
+        assert not ops._split_states[(7, stream)].counters.any()
+
+
+def test_scratch_grows_and_keeps_outgrown_buffers(fake_gpu, gen):
+    """A bigger shape grows the stream's scratch; the smaller shape's plan keeps its (still
+    allocated) buffers, and an explicit split count takes the grown ones."""
+    calls, _ = fake_gpu
+    k, dtype = 4, torch.float16
+    small = fake_weight(gen, 128, 256, k, dtype)
+    big = fake_weight(gen, 4096, 8192, k, dtype)
+    A1 = fake(torch.randn(4, 256, generator=gen).to(dtype))
+    A2 = fake(torch.randn(4, 8192, generator=gen).to(dtype))
+    for _ in range(2):
+        kbit_cute.gemm(A1, small)
+    first = calls[-1][7]
+    for _ in range(2):
+        kbit_cute.gemm(A2, big)
     state = ops._split_states[(7, 1234)]
-    assert args[7] == state.workspace.data_ptr() and args[8] == state.counters.data_ptr()
-    assert state.workspace.numel() >= splits * m_bucket * (N // 64) * 64
-    assert state.counters.numel() >= N // 64 and not state.counters.any()
+    plan = ops._gemv_plans[(k, 4096, 8192, 7, dtype)]
+    assert state.workspace.numel() >= plan.ws_elems and calls[-1][7] == state.workspace.data_ptr()
+    assert calls[-1][7] != first
+    calls.clear()
+    kbit_cute.gemm(A1, small)
+    assert calls[-1][7] == first  # the outgrown buffer: device memory is never freed
+    calls.clear()
+    ops._gemv(A2, big, None, fake(torch.empty(4, 4096, dtype=dtype)), 4, splits=16)
+    assert calls[-1][12] == 16 and state.workspace.numel() >= 16 * 4 * 64 * 64
+
+
+def test_kbit_linear_takes_the_hot_path(fake_gpu, gen):
+    calls, _ = fake_gpu
+    q = kbit_cute.KbitLinear.from_linear(torch.nn.Linear(256, 64, dtype=torch.float16), k=3)
+    for name in ("packed", "absmax", "codebook", "scale"):
+        q._buffers[name] = fake(q._buffers[name])
+    q._parameters["bias"] = fake(q.bias.detach())  # a stand-in: Parameter refuses FakeCuda
+    x = fake(torch.randn(1, 1, 256, generator=gen).to(torch.float16))
+    with torch.inference_mode():
+        for _ in range(3):
+            calls.clear()
+            assert q(x).shape == (1, 1, 64)
+            (args,) = calls
+            assert args[5] == q.bias.data_ptr() and args[13] == 1
