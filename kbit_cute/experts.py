@@ -164,7 +164,12 @@ def quantize_experts(
     step = max(1, _CHUNK_ELEMS // (N * K))
     for e0 in range(0, E, step):
         # Contiguous: a transposed or sliced stack must still view as blocks of 32.
-        w = W[e0 : e0 + step].detach().to(torch.float32, memory_format=torch.contiguous_format)
+        w = (
+            W[e0 : e0 + step]
+            .detach()
+            .to(torch.float32, memory_format=torch.contiguous_format)
+            .contiguous()
+        )
         _check_finite(w, e0)
         # format.tensor_scale of each expert, from one host read of the group's absmax.
         amax = w.abs().amax(dim=(1, 2)).cpu()

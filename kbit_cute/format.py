@@ -351,7 +351,9 @@ def quantize(W: torch.Tensor, k: int = 4, codebook: torch.Tensor | None = None) 
             f"W's K (columns) must be a positive multiple of {BLOCK}, got shape {(N, K)}"
         )
     cb = check_codebook(normal_float_codebook(k) if codebook is None else codebook, k)
-    w = W.detach().to(torch.float32)
+    # Contiguous: a transposed or sliced W must still view as blocks of 32. ``.to`` alone is
+    # not enough: a float32 W comes back as itself, strides and all (one copy at most).
+    w = W.detach().to(torch.float32, memory_format=torch.contiguous_format).contiguous()
     _check_weight_values(w)
     scale = tensor_scale(w)
     flat, amax = _quantize_flat((w / scale).view(-1, BLOCK), cb, k)

@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--batch", type=_positive, nargs="+", default=[1, 4])
     d.add_argument("--context", type=_positive, default=512, help="KV-cache length")
     d.add_argument("--moe", choices=["auto", "loop", "kbit-moe"], default="auto",
-                   help="routed experts: kbit_cute.nn.KbitMoE when it exists (auto), or the expert loop")  # fmt: skip
+                   help="routed experts: kbit_cute.moe.KbitMoE when it exists (auto), or the expert loop")  # fmt: skip
     d.add_argument(
         "--moe-experts", type=_positive, default=64, help="expert pool per layer for KbitMoE"
     )

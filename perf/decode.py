@@ -4,10 +4,11 @@
 
 For each weight format (fp16/bf16 baseline, then kbit k = 2..5) the model is built from the
 same random weights (N(0, 1/K), the scale of trained LLM layers), every quantizable linear
-going through ``kbit_cute.quantize`` / ``kbit_cute.gemm`` (never KbitLinear, so this does not
-depend on kbit_cute.nn). One decode step (embedding, all layers, final norm, lm_head) is
-captured in a CUDA graph and replayed (median of the timer's repeats); the eager step time
-is reported next to it. The weights of one step are far larger than L2, so replays read HBM.
+going through ``kbit_cute.quantize`` / ``kbit_cute.gemm`` (never KbitLinear), the MoE blocks
+optionally through ``kbit_cute.moe.KbitMoE`` (``--moe``). One decode step (embedding, all
+layers, final norm, lm_head) is captured in a CUDA graph and replayed (median of the timer's
+repeats); the eager step time is reported next to it. The weights of one step are far
+larger than L2, so replays read HBM.
 
 - llama3-8b: RMSNorm, q/k/v/o, RoPE, KV cache of ``--context`` tokens, torch SDPA (GQA),
   SwiGLU MLP.
@@ -16,16 +17,18 @@ is reported next to it. The weights of one step are far larger than L2, so repla
   out_proj), every 4th gated full attention (q_proj with output gate, q/k norms, partial
   RoPE, SDPA); every layer MoE: fp16 router (softmax top-10 of 512), shared expert with its
   sigmoid gate, routed experts. Routed experts run one of two ways (``--moe``):
-  * ``loop`` (what runs until the MoE issue lands): a **per-expert loop of kbit_cute.gemm
+  * ``loop``: a **per-expert loop of kbit_cute.gemm
     calls** (F.linear for fp16) with **host-fixed routing**: each token's 10 experts per
     layer are drawn on the host once, only those experts are allocated (the bytes a real
     step reads, within memory), and the GPU router's top-k weights scale their outputs
     (router computed, not used for dispatch: a graph cannot change host-issued launches).
-  * ``kbit-moe`` (``auto`` picks it when ``kbit_cute.nn.KbitMoE`` exists): the module's own
+  * ``kbit-moe`` (``auto`` picks it when ``kbit_cute.moe.KbitMoE`` exists): the whole block
+    (router, shared expert and its gate, routed experts) is one KbitMoE, with its own
     on-device routing over a pool of ``--moe-experts`` experts per layer. If building or
     running it fails, the run falls back to the loop and records why.
 - lm_head stays fp16 unless ``--quantize-lm-head`` (quantize_model skips it by default);
-  routers, in_proj_ba (N = 64) and the shared-expert gate (N = 1) stay fp16.
+  routers, in_proj_ba (N = 64) and the shared-expert gate (N = 1) stay fp16 (in KbitMoE the
+  gate is a row of the router).
 
 "in linears" = time of a graph replaying only the quantizable linears (kbit_cute.gemm in the
 kbit formats, the same layers' F.linear in the baseline) on their recorded inputs, divided
@@ -263,39 +266,44 @@ class ExpertLoopMoE:
 
 
 class KbitMoEBlock:
-    """The routed experts through ``kbit_cute.nn.KbitMoE`` (issue 7's module), shared expert
-    through Linear. The constructor call follows issue 7's description (stacked fp16 experts
-    in the transformers v5 fused layout); if it does not match, the run falls back."""
+    """The whole sparse MoE block as one ``kbit_cute.moe.KbitMoE``: router, routed experts
+    over a pool of ``--moe-experts``, the shared expert and its sigmoid gate (the module runs
+    the shared expert inside its grouped expert launches at decode)."""
 
     backend = "kbit-moe"
+    quantizable = True
 
     def __init__(self, cfg: models.ModelConfig, ctx: Ctx, pool: int):
-        KbitMoE = importlib.import_module("kbit_cute.nn").KbitMoE
-        H, inter = cfg.hidden, cfg.moe_intermediate
+        KbitMoE = importlib.import_module("kbit_cute.moe").KbitMoE
+        H, S = cfg.hidden, cfg.shared_intermediate
+        # The fused gate/up kernel's 64-wide tile; real configs are multiples already, only
+        # the CPU smoke's toy size (32) is rounded up.
+        inter = -(-cfg.moe_intermediate // 64) * 64
         gen, dev = ctx.gen, ctx.device
         gate_up = (torch.randn(pool, 2 * inter, H, generator=gen, device=dev) / H**0.5).to(
             ctx.dtype
         )
         down = (torch.randn(pool, H, inter, generator=gen, device=dev) / inter**0.5).to(ctx.dtype)
-        router = ctx.weight(pool, H)
-        self.moe = KbitMoE.from_experts(gate_up_proj=gate_up, down_proj=down, router_weight=router,
-                                        top_k=cfg.top_k, k=ctx.k)  # fmt: skip
-        del gate_up, down
+        shared = (ctx.weight(S, H), ctx.weight(S, H), ctx.weight(H, S)) if S else None
+        self.moe = KbitMoE.from_experts(
+            gate_up, down, ctx.weight(pool, H), cfg.top_k, k=ctx.k, shared=shared,
+            shared_gate=ctx.weight(1, H) if S else None,
+        )  # fmt: skip
+        del gate_up, down, shared
         self.ctx = ctx
-        self.nbytes = 3 * H * inter * (ctx.k / 8 + 1 / 32) * cfg.top_k  # per token read
-        self.shared = MLP(ctx, H, cfg.shared_intermediate)
-        self.shared_gate = ctx.linear(1, H, quantized=False)
+        # Bytes one token reads: its top_k experts, the shared pieces, the router (+ gate).
+        per_expert = self.moe.gate_up.weight.nbytes_per_expert
+        per_expert += self.moe.down.weight.nbytes_per_expert
+        router = self.moe.router.weight
+        self.nbytes = (cfg.top_k + self.moe.shared_experts) * per_expert + router.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.ctx.recording is not None:
             self.ctx.recording.append((self, x))
-        shared = self.shared(x) * torch.sigmoid(self.shared_gate(x))
-        return self.forward(x) + shared
+        return self.forward(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.moe(x)
-
-    quantizable = True
 
 
 class Layer:
@@ -355,15 +363,15 @@ class DecodeModel:
 
 
 def moe_backend(requested: str) -> tuple[str, str]:
-    """(backend, why): 'kbit-moe' when asked or auto and kbit_cute.nn.KbitMoE exists."""
+    """(backend, why): 'kbit-moe' when asked or auto and kbit_cute.moe.KbitMoE exists."""
     if requested == "loop":
         return "loop", "--moe loop"
     try:
-        has = hasattr(importlib.import_module("kbit_cute.nn"), "KbitMoE")
+        has = hasattr(importlib.import_module("kbit_cute.moe"), "KbitMoE")
     except Exception as exc:
-        has, why = False, f"kbit_cute.nn does not import ({error_text(exc, 80)})"
+        has, why = False, f"kbit_cute.moe does not import ({error_text(exc, 80)})"
     else:
-        why = "kbit_cute.nn.KbitMoE exists" if has else "kbit_cute.nn has no KbitMoE yet"
+        why = "kbit_cute.moe.KbitMoE exists" if has else "kbit_cute.moe has no KbitMoE"
     if requested == "kbit-moe" and not has:
         raise ValueError(f"--moe kbit-moe: {why}")
     return ("kbit-moe" if has else "loop"), why

@@ -160,3 +160,16 @@ def test_dequantize_experts_rejects_inconsistent_tensors(gen):
         dequantize_experts(bad)
     with pytest.raises(TypeError, match="float32, float16 and bfloat16"):
         dequantize_experts(ex, torch.float64)
+
+
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_takes_non_contiguous_weights(k, dtype, gen):
+    """kbit_cute.quantize(W.T) and of a strided slice: the same words as of a contiguous copy."""
+    W = torch.randn(96, 128, generator=gen).to(dtype)
+    for view in (W.T, W[:, ::2].T, W[::2]):
+        assert not view.is_contiguous()
+        got, ref = kbit_cute.quantize(view, k), kbit_cute.quantize(view.contiguous(), k)
+        for name in ("packed", "absmax", "scale"):
+            assert torch.equal(getattr(got, name), getattr(ref, name)), name
+        assert (got.N, got.K) == tuple(view.shape)

@@ -1,14 +1,21 @@
-"""MoE on the CPU: routing, sorting by expert, KbitMoE forward against a float32 per-token
-reference, state_dict / safetensors round trips, dtype conversion and the errors."""
+"""MoE on the CPU: routing, sorting by expert, combining, KbitMoE forward against a float32
+per-token reference, the shared expert as experts, state_dict / safetensors round trips,
+dtype conversion and the errors."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kbit_cute
 from kbit_cute.experts import dequantize_experts, quantize_experts
-from kbit_cute.moe import KbitExpertWeights, KbitMoE, combine, route, sort_by_expert
+from kbit_cute.moe import (
+    KbitExpertWeights,
+    KbitMoE,
+    _shared_pieces,
+    combine,
+    route,
+    sort_by_expert,
+)
 
 KS = (2, 3, 4, 5)
 
@@ -17,7 +24,7 @@ def rand(gen, *shape, scale=1.0):
     return torch.randn(*shape, generator=gen) * scale
 
 
-def moe_weights(gen, E, H, inter, S=0):
+def moe_weights(gen, E, H, inter, S=0, gate=True):
     w = {
         "gate_up_proj": rand(gen, E, 2 * inter, H, scale=H**-0.5),
         "down_proj": rand(gen, E, H, inter, scale=inter**-0.5),
@@ -25,39 +32,44 @@ def moe_weights(gen, E, H, inter, S=0):
     }
     if S:
         w["shared"] = (rand(gen, S, H), rand(gen, S, H), rand(gen, H, S))
-        w["shared_gate"] = rand(gen, 1, H)
+        if gate:
+            w["shared_gate"] = rand(gen, 1, H)
     return w
 
 
 def reference(m: KbitMoE, x: torch.Tensor) -> torch.Tensor:
-    """float32, token by token, slot by slot, from the dequantized experts and the module's
-    own routing (so both sides use the same experts)."""
-    H = m.hidden_size
+    """float64, token by token, from the dequantized experts (routed, then the shared
+    pieces) and the module's own routing (so both sides use the same experts)."""
+    H, E, inter = m.hidden_size, m.num_experts, m.intermediate_size
     x2 = x.reshape(-1, H)
-    weights, ids = route(m.router(x2), m.top_k, m.normalize)
+    logits = m.router(x2)
+    weights, ids = route(logits[:, :E], m.top_k, m.normalize)
     Wgu = dequantize_experts(m.gate_up.weight, torch.float32)
     Wd = dequantize_experts(m.down.weight, torch.float32)
-    inter = m.intermediate_size
     xf = x2.float()
+
+    def expert(e, v):
+        g, u = (Wgu[e] @ v).split(inter)
+        return (Wd[e] @ (F.silu(g) * u)).double()
+
     out = torch.zeros(x2.shape[0], H, dtype=torch.float64)
     for t in range(x2.shape[0]):
         for s in range(m.top_k):
-            e = int(ids[t, s])
-            g, u = (Wgu[e] @ xf[t]).split(inter)
-            out[t] += float(weights[t, s]) * (Wd[e] @ (F.silu(g) * u)).double()
-    if m.shared_expert is not None:
-        se = m.shared_expert
-        W = {n: kbit_cute.dequantize(getattr(se, n).weight, torch.float32) for n in
-             ("gate_proj", "up_proj", "down_proj")}  # fmt: skip
-        shared = (F.silu(xf @ W["gate_proj"].T) * (xf @ W["up_proj"].T)) @ W["down_proj"].T
-        if m.shared_expert_gate is not None:
-            shared = shared * torch.sigmoid(xf @ m.shared_expert_gate.weight.float().T)
-        out += shared.double()
+            out[t] += float(weights[t, s]) * expert(int(ids[t, s]), xf[t])
+        g = torch.sigmoid(logits[t, E].float()) if m.shared_gate else 1.0
+        for e in range(E, E + m.shared_experts):
+            out[t] += float(g) * expert(e, xf[t])
     return out.float().view(x.shape)
 
 
 def rel_err(got, ref):
     return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def by_id(weights, ids):
+    """A token's slots in expert order (route leaves them unordered)."""
+    ids, perm = ids.sort(dim=-1)
+    return weights.gather(-1, perm), ids
 
 
 # --------------------------------------------------------------------------- routing
@@ -72,12 +84,16 @@ def test_route_is_softmax_then_topk(normalize, dtype, gen):
     assert weights.dtype == torch.float32 and ids.dtype == torch.int64
     probs = torch.softmax(logits.reshape(14, 16).float(), -1)
     ref_w, ref_ids = probs.topk(4, -1)
-    assert torch.equal(ids, ref_ids)
     if normalize:
         ref_w = ref_w / ref_w.sum(-1, keepdim=True)
         assert torch.allclose(weights.sum(-1), torch.ones(14))
-    assert torch.allclose(weights, ref_w, rtol=1e-6, atol=0)
-    assert (weights[:, :-1] >= weights[:, 1:]).all()
+    got_w, got_ids = by_id(weights, ids)
+    ref_w, ref_ids = by_id(ref_w, ref_ids)
+    assert torch.equal(got_ids, ref_ids)
+    assert torch.allclose(got_w, ref_w, rtol=1e-5, atol=0)
+    half_w, half_ids = route(logits, 4, normalize, dtype=torch.bfloat16)
+    assert half_w.dtype == torch.bfloat16 and torch.equal(half_ids, ids)
+    assert torch.allclose(half_w.float(), weights, rtol=2**-8, atol=0)
 
 
 def test_route_errors():
@@ -87,9 +103,14 @@ def test_route_errors():
         route(torch.randn(3, 8), 0)
     with pytest.raises(TypeError, match="floating point"):
         route(torch.ones(3, 8, dtype=torch.int64), 2)
+    with pytest.raises(TypeError, match="dtype must be"):
+        route(torch.randn(3, 8), 2, dtype=torch.int32)
 
 
-@pytest.mark.parametrize("T,E,top_k", [(1, 512, 10), (5, 64, 6), (64, 8, 2), (37, 16, 16)])
+# (200, 64, 6): 1200 keys, past the topk sort (torch.sort instead).
+@pytest.mark.parametrize(
+    "T,E,top_k", [(1, 512, 10), (5, 64, 6), (64, 8, 2), (37, 16, 16), (200, 64, 6)]
+)
 @pytest.mark.parametrize("id_dtype", (torch.int64, torch.int32))
 def test_sort_by_expert_groups_rows_by_expert(T, E, top_k, id_dtype, gen):
     ids = torch.stack([torch.randperm(E, generator=gen)[:top_k] for _ in range(T)])
@@ -103,27 +124,30 @@ def test_sort_by_expert_groups_rows_by_expert(T, E, top_k, id_dtype, gen):
     for e in range(E):
         rows = order[offsets[e] : offsets[e + 1]]
         assert (flat[rows] == e).all(), e
-        assert (rows.diff() > 0).all(), "rows of one expert must stay in token order"
         assert rows.numel() == int((flat == e).sum()), e
     if T * top_k < E:
         assert (offsets.diff() == 0).any(), "some experts get no token"
+    again = sort_by_expert(ids.clone(), E)
+    assert torch.equal(again[0], order) and torch.equal(again[1], offsets)
 
 
 def test_sort_by_expert_all_tokens_on_one_expert():
     ids = torch.tensor([[5, 0], [5, 2], [5, 0]])
     order, offsets = sort_by_expert(ids, 6)
     assert offsets.tolist() == [0, 2, 2, 3, 3, 3, 6]
-    assert order.tolist() == [1, 5, 3, 0, 2, 4]
-    assert (order[3:] // 2).tolist() == [0, 1, 2]  # the tokens of expert 5
+    assert sorted(order[:2].tolist()) == [1, 5] and order[2] == 3
+    assert sorted((order[3:] // 2).tolist()) == [0, 1, 2]  # the tokens of expert 5
 
 
-def test_sort_by_expert_errors():
+def test_sort_by_expert_errors_and_empty():
     with pytest.raises(TypeError, match="int32 or int64"):
         sort_by_expert(torch.zeros(2, 2), 4)
     with pytest.raises(ValueError, match="num_experts must be a positive int"):
         sort_by_expert(torch.zeros(2, 2, dtype=torch.int64), 0)
     with pytest.raises(ValueError, match=r"ids must lie in 0..3"):
         sort_by_expert(torch.tensor([[1, 4]]), 4)
+    order, offsets = sort_by_expert(torch.zeros(0, 3, dtype=torch.int64), 4)
+    assert order.shape == (0,) and offsets.tolist() == [0] * 5
 
 
 def test_route_and_sort_trace_without_graph_breaks(gen):
@@ -140,37 +164,80 @@ def test_route_and_sort_trace_without_graph_breaks(gen):
         assert torch.equal(a, b)
 
 
-def test_combine_weights_and_unsorts_rows(gen):
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("with_add", (False, True))
+def test_combine_weights_unsorts_and_sums(dtype, tol, with_add, gen):
     T, top_k, N = 6, 3, 8
     ids = torch.stack([torch.randperm(10, generator=gen)[:top_k] for _ in range(T)])
     weights = torch.rand(T, top_k, generator=gen)
     order, _ = sort_by_expert(ids, 10)
-    per_pair = rand(gen, T * top_k, N)  # the output of (token, slot) pair p
-    y = per_pair[order].to(torch.bfloat16)  # what the grouped kernel returns: sorted rows
-    got = combine(y, weights, order)
-    ref = (per_pair.to(torch.bfloat16).float().view(T, top_k, N) * weights[..., None]).sum(1)
-    assert got.dtype == torch.float32 and torch.allclose(got, ref, rtol=1e-6, atol=1e-6)
+    per_pair = rand(gen, T * top_k, N).to(dtype)  # the output of (token, slot) pair p
+    y = per_pair[order]  # what the grouped kernel returns: sorted rows
+    add = rand(gen, T, N).to(dtype) if with_add else None
+    got = combine(y, weights, order, add)
+    w = weights.to(dtype).float()  # combine uses the weights in y's dtype
+    ref = (per_pair.float().view(T, top_k, N) * w[..., None]).sum(1)
+    if with_add:
+        ref += add.float()
+    assert got.dtype == dtype and got.shape == (T, N)
+    assert torch.allclose(got.float(), ref, rtol=tol, atol=tol)
+
+
+def test_combine_errors():
+    y, w, order = torch.zeros(6, 4), torch.ones(3, 2), torch.arange(6)
+    with pytest.raises(ValueError, match=r"combine takes y \[T \* slots, N\]"):
+        combine(y[:5], w, order)
+    with pytest.raises(ValueError, match="combine takes"):
+        combine(y, w, order[:4])
+    with pytest.raises(ValueError, match="combine takes"):
+        combine(y, w.view(-1), order)
 
 
 # --------------------------------------------------------------------------- KbitMoE
 
+SHARED = {  # S (shared intermediate), gate: I = 64 below
+    "none": (0, False),
+    "gated": (64, True),  # Qwen3-Next: one piece, sigmoid gate
+    "two_pieces": (128, False),  # DeepSeek-V2-Lite: two experts' worth, weight 1
+    "padded": (96, True),  # 1.5 pieces: the second half zero
+}
+
 
 @pytest.mark.parametrize("k", KS)
-@pytest.mark.parametrize("shared", (False, True))
+@pytest.mark.parametrize("shared", SHARED)
 def test_forward_matches_float32_reference(k, shared, gen):
-    w = moe_weights(gen, E=12, H=64, inter=64, S=32 if shared else 0)
+    S, gate = SHARED[shared]
+    w = moe_weights(gen, E=12, H=64, inter=64, S=S, gate=gate)
     m = KbitMoE.from_experts(**w, top_k=3, k=k)
-    x = rand(gen, 2, 5, 64)
-    got = m(x)
-    assert got.shape == x.shape and got.dtype == torch.float32
-    assert rel_err(got, reference(m, x)) < 1e-5
+    assert m.shared_experts == -(-S // 64) and m.shared_gate == gate
+    for shape in ((2, 5, 64), (1, 64)):  # T = 1 takes the row copy, not the gather
+        x = rand(gen, *shape)
+        got = m(x)
+        assert got.shape == x.shape and got.dtype == torch.float32
+        assert rel_err(got, reference(m, x)) < 1e-5, shape
+
+
+@pytest.mark.parametrize("shared", ("gated", "two_pieces"))
+def test_shared_expert_by_gemm_past_the_fused_token_count(shared, gen):
+    """More tokens than fuse_shared_max_tokens: the shared pieces go through kbit_cute.gemm;
+    the same result as in the grouped ops."""
+    S, gate = SHARED[shared]
+    m = KbitMoE.from_experts(**moe_weights(gen, E=8, H=64, inter=64, S=S, gate=gate), top_k=2)
+    x = rand(gen, 9, 64)
+    fused = m(x)
+    m.fuse_shared_max_tokens = 8
+    split = m(x)
+    assert rel_err(split, fused) < 1e-6
+    assert rel_err(split, reference(m, x)) < 1e-5
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 3e-2), (torch.float16, 4e-3)])
-def test_forward_in_half_precision(dtype, tol, gen):
-    w = {n: t.to(dtype) if isinstance(t, torch.Tensor) else t for n, t in
-         moe_weights(gen, E=8, H=96, inter=128).items()}  # fmt: skip
-    m = KbitMoE.from_experts(**w, top_k=2, k=4, normalize=False)
+@pytest.mark.parametrize("normalize", (True, False))
+def test_forward_in_half_precision(dtype, tol, normalize, gen):
+    w = moe_weights(gen, E=8, H=96, inter=128, S=128)
+    w = {n: t.to(dtype) if isinstance(t, torch.Tensor) else tuple(u.to(dtype) for u in t)
+         for n, t in w.items()}  # fmt: skip
+    m = KbitMoE.from_experts(**w, top_k=2, k=4, normalize=normalize)
     assert m.dtype == dtype and m.router.weight.dtype == dtype
     x = rand(gen, 7, 96).to(dtype)
     got = m(x)
@@ -178,22 +245,38 @@ def test_forward_in_half_precision(dtype, tol, gen):
     assert rel_err(got, reference(m, x)) < tol
 
 
+@pytest.mark.parametrize("S", (32, 64, 96, 192))
+def test_shared_pieces_sum_to_the_mlp(S, gen):
+    H, inter = 64, 64
+    g, u, d = rand(gen, S, H), rand(gen, S, H), rand(gen, H, S)
+    gate_up, down = _shared_pieces(g, u, d, inter, "cpu")
+    m = -(-S // inter)
+    assert gate_up.shape == (m, 2 * inter, H) and down.shape == (m, H, inter)
+    assert down.is_contiguous()
+    x = rand(gen, 5, H)
+    ref = (F.silu(x @ g.T) * (x @ u.T)) @ d.T
+    got = sum(
+        (F.silu(x @ gate_up[j, :inter].T) * (x @ gate_up[j, inter:].T)) @ down[j].T
+        for j in range(m)
+    )
+    assert rel_err(got, ref) < 1e-6
+
+
 def test_from_experts_quantizes_like_quantize_experts(gen):
-    w = moe_weights(gen, E=6, H=64, inter=64, S=64)
+    w = moe_weights(gen, E=6, H=64, inter=64, S=128)
     m = KbitMoE.from_experts(**w, top_k=2, k=3)
-    for mod, W in ((m.gate_up, w["gate_up_proj"]), (m.down, w["down_proj"])):
-        ex = quantize_experts(W, 3)
-        for name in ("packed", "absmax", "codebook", "scale"):
-            assert torch.equal(getattr(mod, name), getattr(ex, name)), name
-    assert torch.equal(m.router.weight, w["router_weight"])
+    shared_gu, shared_down = _shared_pieces(*w["shared"], 64, "cpu")
+    for mod, W, Ws in ((m.gate_up, w["gate_up_proj"], shared_gu),
+                       (m.down, w["down_proj"], shared_down)):  # fmt: skip
+        ex, exs = quantize_experts(W, 3), quantize_experts(Ws, 3)
+        assert mod.num_experts == 8
+        for name in ("packed", "absmax", "scale"):
+            assert torch.equal(getattr(mod, name)[:6], getattr(ex, name)), name
+            assert torch.equal(getattr(mod, name)[6:], getattr(exs, name)), name
+        assert torch.equal(mod.codebook, ex.codebook)
+    assert torch.equal(m.router.weight[:6], w["router_weight"])
+    assert torch.equal(m.router.weight[6:], w["shared_gate"])
     assert m.gate_up.codebook.data_ptr() != m.down.codebook.data_ptr()
-    for lin, W in zip(
-        (m.shared_expert.gate_proj, m.shared_expert.up_proj, m.shared_expert.down_proj),
-        w["shared"],
-        strict=True,
-    ):
-        assert torch.equal(lin.packed, kbit_cute.quantize(W, 3).packed)
-    assert torch.equal(m.shared_expert_gate.weight, w["shared_gate"])
     assert (m.gate_up.N, m.gate_up.K, m.down.N, m.down.K) == (128, 64, 64, 64)
 
 
@@ -202,15 +285,17 @@ def test_from_experts_takes_a_transformers_style_shared_module(gen):
     mlp = nn.Module()
     mlp.gate_proj, mlp.up_proj = nn.Linear(64, 32, bias=False), nn.Linear(64, 32, bias=False)
     mlp.down_proj = nn.Linear(32, 64, bias=False)
-    m = KbitMoE.from_experts(**w, top_k=2, shared=mlp, shared_gate=nn.Linear(64, 1, bias=False))
-    assert m.shared_intermediate_size == 32 and m.shared_expert_gate is not None
-    assert torch.equal(
-        m.shared_expert.down_proj.packed, kbit_cute.quantize(mlp.down_proj.weight).packed
-    )
+    gate = nn.Linear(64, 1, bias=False)
+    m = KbitMoE.from_experts(**w, top_k=2, shared=mlp, shared_gate=gate)
+    assert m.shared_intermediate_size == 32 and m.shared_experts == 1 and m.shared_gate
+    weights = [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+    ex = quantize_experts(_shared_pieces(*weights, 64, "cpu")[1])
+    assert torch.equal(m.down.packed[4], ex.packed[0])
+    assert torch.equal(m.router.weight[4], gate.weight[0].detach())
 
 
 def test_empty_and_leading_dims(gen):
-    m = KbitMoE.from_experts(**moe_weights(gen, E=4, H=64, inter=64), top_k=2)
+    m = KbitMoE.from_experts(**moe_weights(gen, E=4, H=64, inter=64, S=64), top_k=2)
     assert m(torch.zeros(0, 64)).shape == (0, 64)
     x = rand(gen, 2, 3, 64)
     assert torch.allclose(m(x), m(x.view(6, 64)).view(2, 3, 64))
@@ -235,12 +320,22 @@ def test_safetensors_round_trip_is_bit_exact(k, gen, tmp_path):
 
 
 def test_state_dict_keys():
-    m = KbitMoE(64, 64, 4, 2, shared_intermediate_size=32, shared_gate=True)
+    m = KbitMoE(64, 64, 4, 2, shared_intermediate_size=128, shared_gate=True)
     keys = set(m.state_dict())
-    for part in ("gate_up", "down"):
-        assert {f"{part}.{n}" for n in ("packed", "absmax", "codebook", "scale")} <= keys
-    assert {"router.weight", "shared_expert_gate.weight", "shared_expert.up_proj.packed"} <= keys
-    assert m.gate_up.packed.shape[0] == 4 and m.gate_up.scale.shape == (4,)
+    want = {f"{part}.{n}" for part in ("gate_up", "down")
+            for n in ("packed", "absmax", "codebook", "scale")}  # fmt: skip
+    assert keys == want | {"router.weight"}, "index buffers must stay out of the state_dict"
+    assert m.gate_up.packed.shape[0] == 6 and m.gate_up.scale.shape == (6,)
+    assert m.router.weight.shape == (5, 64)
+
+
+def test_old_layout_checkpoint_names_the_fix(gen):
+    m = KbitMoE.from_experts(**moe_weights(gen, E=4, H=64, inter=64, S=64), top_k=2)
+    sd = m.state_dict()
+    sd["shared_expert.gate_proj.packed"] = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="older KbitMoE layout.*from_experts"):
+        KbitMoE(64, 64, 4, 2, shared_intermediate_size=64, shared_gate=True,
+                dtype=torch.float32).load_state_dict(sd)  # fmt: skip
 
 
 def test_load_with_another_k_or_expert_count_names_the_fix(gen):
@@ -252,12 +347,12 @@ def test_load_with_another_k_or_expert_count_names_the_fix(gen):
 
 
 def test_half_and_to_keep_the_format_tensors_float32(gen):
-    m = KbitMoE.from_experts(**moe_weights(gen, E=4, H=64, inter=64, S=32), top_k=2)
+    w = moe_weights(gen, E=4, H=64, inter=64, S=64, gate=False)
+    m = KbitMoE.from_experts(**w, top_k=2)
     kept = {n: t.clone() for n, t in m.state_dict().items() if n.endswith(("codebook", "scale"))}
     m.half()
     assert m.dtype == torch.float16 and m.gate_up.dtype == torch.float16
-    assert m.shared_expert.gate_proj.dtype == torch.float16
-    assert m.shared_expert_gate.weight.dtype == torch.float16
+    assert m._shared_ones.dtype == torch.float16 and m._bounds.dtype == torch.int64
     for n, t in kept.items():
         assert m.state_dict()[n].dtype == torch.float32 and torch.equal(m.state_dict()[n], t), n
     m.to(torch.bfloat16)
@@ -266,11 +361,11 @@ def test_half_and_to_keep_the_format_tensors_float32(gen):
     assert m.gate_up.weight.dtype == torch.bfloat16 and m.gate_up.codebook.dtype == torch.float32
 
 
-def test_repr_shows_experts_k_shapes_and_bytes(gen):
+def test_repr_shows_experts_k_shapes_and_bytes():
     m = KbitMoE(2048, 512, 16, 4, k=3, shared_intermediate_size=512, device="meta")
     r = repr(m)
-    parts = ["num_experts=16", "top_k=4", "k=3", "gate_up=[16, 1024, 2048]"]
-    parts += ["down=[16, 2048, 512]", "MB", "KbitExpertWeights(num_experts=16, N=1024"]
+    parts = ["num_experts=16", "top_k=4", "k=3", "(1 pieces)", "gate_up=[17, 1024, 2048]"]
+    parts += ["down=[17, 2048, 512]", "MB", "KbitExpertWeights(num_experts=17, N=1024"]
     for part in parts:
         assert part in r, r
     assert m.nbytes == sum(t.nbytes for t in (*m.parameters(), *m.buffers()))
@@ -311,6 +406,8 @@ def test_from_experts_errors(gen):
         KbitMoE.from_experts(gu, down, router, 2, shared=(rand(gen, 32, 64),) * 3)
     with pytest.raises(ValueError, match="has a bias"):
         KbitMoE.from_experts(gu, down, router, 2, shared_gate=nn.Linear(64, 1))
+    with pytest.raises(ValueError, match="shared_gate needs a shared expert"):
+        KbitMoE.from_experts(gu, down, router, 2, shared_gate=rand(gen, 1, 64))
     with pytest.raises(TypeError, match="gate_proj / up_proj / down_proj"):
         KbitMoE.from_experts(gu, down, router, 2, shared=nn.ReLU())
 
@@ -325,9 +422,11 @@ def test_forward_errors_name_the_fix(gen):
         m(torch.randn(2, 64, device="meta"))
 
 
-def test_forward_traces_without_graph_breaks(gen):
-    """The whole layer (router, sort, grouped ops, combine, shared expert) in one graph."""
-    m = KbitMoE.from_experts(**moe_weights(gen, E=8, H=64, inter=64, S=32), top_k=2)
+@pytest.mark.parametrize("fuse", (32, 0))
+def test_forward_traces_without_graph_breaks(fuse, gen):
+    """The whole layer (router, sort, grouped ops, shared expert, combine) in one graph."""
+    m = KbitMoE.from_experts(**moe_weights(gen, E=8, H=64, inter=64, S=64), top_k=2)
+    m.fuse_shared_max_tokens = fuse
     compiled = torch.compile(m, fullgraph=True, backend="eager")
     for T in (5, 7):  # the second T recompiles (dynamic shapes)
         x = rand(gen, T, 64)

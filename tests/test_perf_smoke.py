@@ -196,7 +196,7 @@ def test_moe_backend_choice():
     assert decode.moe_backend("loop")[0] == "loop"
     backend, why = decode.moe_backend("auto")
     try:
-        has = hasattr(__import__("kbit_cute.nn", fromlist=["x"]), "KbitMoE")
+        has = hasattr(__import__("kbit_cute.moe", fromlist=["x"]), "KbitMoE")
     except ImportError:
         has = False
     assert backend == ("kbit-moe" if has else "loop") and why
