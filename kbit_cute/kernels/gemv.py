@@ -13,7 +13,7 @@ M = 1 does. What is left per weight is the dequantization into fp16/bf16 pairs:
   planes into index fields SWAR-style (``planes_to_fields``);
 * indices become values by byte-select tables in registers (k <= 3, ``prmt``) or a
   warp-shuffle table (k >= 4), two weights per 32-bit register, times the block's absmax
-  (one 2-wide multiply, the E4M4 decode read from a 256-entry shared-memory table);
+  (one 2-wide multiply; the E4M4 byte becomes a half2 scale with one IMAD, ``absmax_x2``);
 * mma.sync pairs K positions to registers in a fixed pattern; since the dot product does
   not care about the order of K, each register takes the two weights that the SWAR fields
   deliver side by side, and the activations are permuted to match (one ``prmt`` per pair,
@@ -154,7 +154,6 @@ class GemvKernel:
         splits: Int32,
         has_bias: Int32,
     ):
-        k = self.k
         tidx, _, _ = cute.arch.thread_idx()
         group, split, _ = cute.arch.block_idx()
         warp, lane = tidx // 32, tidx % 32
@@ -169,31 +168,44 @@ class GemvKernel:
         smem = SmemAllocator()
         sFlag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
 
+        ctx = self.make_mainloop(pCodebook, t)
+        acc = ctx[-1]
+        for r in cutlass.range_constexpr(ROW_TILES):
+            acc[r].fill(0.0)
+        row = cutlass.min(g, M - 1)  # rows past M: recomputed, never stored
+        self.mainloop(mA, mW, mS, col0, row, t, kt_begin, kt_end, ctx)
+
+        self.epilogue(acc, pScale, pBias, mOut, mWs, pCounters, sFlag, splits, has_bias, col0, t)
+
+    def make_mainloop(self, pCodebook: cute.Pointer, t):
+        """What the K loop works with, made once per CTA: (codebook registers, 16-bit half
+        selector, mma atom, A and B fragments, register ring, accumulators per row tile)."""
+        k = self.k
         mCodebook = cute.make_tensor(pCodebook, cute.make_layout(1 << k))
-        if cutlass.const_expr(self.byte_tables):
+        if self.byte_tables:
             codebook = codebook_x2_pairs(mCodebook, k, self.dtype)
-        elif cutlass.const_expr(self.lookup == "pair_shuffle"):
+        elif self.lookup == "pair_shuffle":
             codebook = codebook_pair_lane(mCodebook, self.dtype)
         else:
             codebook = codebook_x2_lane(mCodebook, k, self.dtype)
         half_select = Uint32(0x5410) + Uint32(t % 2) * Uint32(0x2222)  # 16-bit half h of a word
-
         atom, tiled_mma = gemv_mma(self.dtype)
+        frag_a = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((MMA_M, MMA_K)))
+        frag_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((MMA_N, MMA_K)))
+        bufs = [self.make_buffers() for _ in range(self.stages)]
         acc = [
             tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((MMA_M, MMA_N)))
             for _ in range(ROW_TILES)
         ]
-        for r in cutlass.range_constexpr(ROW_TILES):
-            acc[r].fill(0.0)
-        frag_a = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((MMA_M, MMA_K)))
-        frag_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((MMA_N, MMA_K)))
-        cute.arch.sync_threads()  # the scale table is ready
+        return codebook, half_select, atom, frag_a, frag_b, bufs, acc
 
-        # A ring of register buffers: the next stages - 1 K tiles are in flight while one
-        # is dequantized, so a warp always has loads outstanding (no copies, no barrier).
+    @cute.jit
+    def mainloop(self, mA, mW, mS, col0, row, t, kt_begin, kt_end, ctx):
+        """acc += K tiles kt_begin..kt_end of the thread's columns times activation row
+        ``row``. A ring of register buffers: the next stages - 1 K tiles are in flight while
+        one is dequantized, so a warp always has loads outstanding (no copies, no barrier)."""
+        codebook, half_select, atom, frag_a, frag_b, bufs, acc = ctx
         S = self.stages
-        bufs = [self.make_buffers() for _ in range(S)]
-        row = cutlass.min(g, M - 1)  # rows past M: recomputed, never stored
         for b in cutlass.range_constexpr(S - 1):
             if kt_begin + b < kt_end:
                 self.load_tile(mA, mW, mS, col0, row, t, kt_begin + b, bufs[b])
@@ -204,8 +216,6 @@ class GemvKernel:
                         nxt = bufs[(b + S - 1) % S]  # the one finished last step
                         self.load_tile(mA, mW, mS, col0, row, t, kt + b + S - 1, nxt)
                     self.mma_tile(bufs[b], codebook, half_select, atom, frag_a, frag_b, acc)
-
-        self.epilogue(acc, pScale, pBias, mOut, mWs, pCounters, sFlag, splits, has_bias, col0, t)
 
     def make_buffers(self):
         """Registers of one K tile: the words of the thread's 4 columns' block, their absmax

@@ -31,9 +31,6 @@ from cutlass.memory import SmemAllocator
 from ..format import TILE_K, TILE_N
 from ..layouts import weight_absmax_layout, weight_words_layout
 from .device_helpers import (
-    codebook_pair_lane,
-    codebook_x2_lane,
-    codebook_x2_pairs,
     split_k_arrive,
     sum_split_partials,
 )
@@ -45,7 +42,6 @@ from .gemv import (
     STAGES,
     WARPS,
     GemvKernel,
-    gemv_mma,
 )
 
 ROWS_PER_PASS = MMA_N  # activation rows per mma: rows of an expert handled per K pass
@@ -187,24 +183,8 @@ class GroupedGemvKernel(GemvKernel):
             kt_begin = split * k_tiles // splits
             kt_end = (split + 1) * k_tiles // splits
 
-            mCodebook = cute.make_tensor(pCodebook, cute.make_layout(1 << k))
-            if cutlass.const_expr(self.byte_tables):
-                codebook = codebook_x2_pairs(mCodebook, k, self.dtype)
-            elif cutlass.const_expr(self.lookup == "pair_shuffle"):
-                codebook = codebook_pair_lane(mCodebook, self.dtype)
-            else:
-                codebook = codebook_x2_lane(mCodebook, k, self.dtype)
-            half_select = cutlass.Uint32(0x5410) + cutlass.Uint32(t % 2) * cutlass.Uint32(0x2222)
-
-            atom, tiled_mma = gemv_mma(self.dtype)
-            acc = [
-                tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((16, MMA_N)))
-                for _ in range(ROW_TILES)
-            ]
-            frag_a = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((16, 16)))
-            frag_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((MMA_N, 16)))
-            S = self.stages
-            bufs = [self.make_buffers() for _ in range(S)]
+            ctx = self.make_mainloop(pCodebook, t)
+            acc = ctx[-1]
             mWs = cute.make_tensor(
                 pWorkspace,
                 cute.make_layout(
@@ -225,16 +205,7 @@ class GroupedGemvKernel(GemvKernel):
                     acc[r].fill(0.0)
                 left = done - p * ROWS_PER_PASS
                 row = row_begin + p * ROWS_PER_PASS + cutlass.min(g, left - 1)
-                for b in cutlass.range_constexpr(S - 1):
-                    if kt_begin + b < kt_end:
-                        self.load_tile(mA, mWe, mSe, col0, row, t, kt_begin + b, bufs[b])
-                for kt in cutlass.range(kt_begin, kt_end, S, unroll=1):
-                    for b in cutlass.range_constexpr(S):
-                        if kt + b < kt_end:
-                            if kt + b + S - 1 < kt_end:
-                                nxt = bufs[(b + S - 1) % S]
-                                self.load_tile(mA, mWe, mSe, col0, row, t, kt + b + S - 1, nxt)
-                            self.mma_tile(bufs[b], codebook, half_select, atom, frag_a, frag_b, acc)
+                self.mainloop(mA, mWe, mSe, col0, row, t, kt_begin, kt_end, ctx)
                 self.pass_epilogue(
                     acc, scale, mOut, mWs, sOut, splits, p, row_begin, left, cta_col, t
                 )
