@@ -22,7 +22,8 @@ import torch
 
 from . import device as _device
 from .compile import current_raw_stream, launcher
-from .experts import KbitExperts, check_experts, dequantize_experts
+from .experts import KbitExperts, check_experts
+from .format import dequantize as dequantize_reference
 from .ops import _GEMV_DTYPES, _split_scratch
 
 __all__ = ["grouped_gemm", "moe_gate_up"]
@@ -156,20 +157,13 @@ def _reference(gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, ou
         lo, hi = max(bounds[e], 0), min(bounds[e + 1], R)
         if hi <= lo:
             continue
-        W = dequantize_experts(_one(ex, e), torch.float32)[0]
+        W = dequantize_reference(ex.expert(e), torch.float32)
         y = A[lo:hi].float() @ W.T
         if gate_up:
             g, u = y.chunk(2, dim=-1)
             y = torch.nn.functional.silu(g) * u
         out[lo:hi] = y.to(out.dtype)
     return out
-
-
-def _one(ex: KbitExperts, e: int) -> KbitExperts:
-    return KbitExperts(
-        ex.packed[e : e + 1], ex.absmax[e : e + 1], ex.codebook, ex.scale[e : e + 1],
-        ex.k, ex.N, ex.K, ex.dtype,
-    )  # fmt: skip
 
 
 def grouped_splits(items: int, k_tiles: int, sm_count: int) -> int:

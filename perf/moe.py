@@ -45,7 +45,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
-import importlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,9 +52,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kbit_cute.moe import sort_by_expert
+
 from . import models
 from .common import CALLS_PER_GRAPH, environment, error_text, progress, refresh_versions
 from .gemm import DTYPES, _context_lost, _over_budget
+from .peers import Impl
 from .tables import STATUS_SHORT, fmt, md_table, run_header
 
 SCHEMA = "kbit_cute.perf/1"
@@ -152,7 +154,7 @@ class Routing:
     T: int
     ids: torch.Tensor  # int64 [T, top_k] (CPU): the experts of each token
     x: torch.Tensor  # [T, H] tokens; channel e < E is ROUTER_LOGIT where e is chosen, else 0
-    A: torch.Tensor  # [T * top_k, H] rows of x sorted by expert (stable: token order within)
+    A: torch.Tensor  # [T * top_k, H] rows of x sorted by expert (kbit_cute.moe.sort_by_expert)
     offsets: torch.Tensor  # int32 [E + 1]: rows offsets[e]:offsets[e+1] go to expert e
     offs: torch.Tensor  # int32 [E]: offsets[1:], torch._grouped_mm's cumulative row ends
     groups: list[tuple[int, int, int]]  # (expert, first row, end row) of the touched experts
@@ -175,11 +177,8 @@ def make_routing(spec: MoeSpec, ids: torch.Tensor, gen: torch.Generator, dtype, 
     x = torch.randn(T, H, generator=gen)
     x[:, :E] = 0.0
     x.scatter_(1, ids, ROUTER_LOGIT)
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=E)
-    offsets = torch.zeros(E + 1, dtype=torch.int32)
-    offsets[1:] = counts.cumsum(0)
+    order, offsets = sort_by_expert(ids, E)  # the library's own sort, on the CPU
+    counts = offsets[1:] - offsets[:-1]
     A = x[order // top_k]
     groups = [
         (e, int(offsets[e]), int(offsets[e + 1])) for e in counts.nonzero().flatten().tolist()
@@ -264,33 +263,16 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-class MoeImpl:
+class MoeImpl(Impl):
     """One implementation; ``prepare`` builds its weight copies, ``make_call`` returns a
-    zero-argument call on copy i and one routing, ``check`` its error on a routing."""
-
-    name = ""
-    label = ""
-    k: int | None = None
-    module: str | None = None  # the library it needs, imported lazily
+    zero-argument call on copy i and one routing, ``check`` its error on a routing. Name,
+    key and the lazy import check come from the GEMM suite's ``peers.Impl``."""
 
     def __init__(self) -> None:
-        self.copies: list = []
+        super().__init__()
         self.expert_bytes = 0  # bytes a call reads per touched expert
         self.fixed_bytes = 0  # bytes a call reads whatever the routing (shared experts, router)
         self.copies_wanted = 0
-
-    @property
-    def key(self) -> str:
-        return self.name if self.k is None else f"{self.name}{self.k}"
-
-    def unavailable(self) -> str | None:
-        if self.module is None:
-            return None
-        try:
-            importlib.import_module(self.module)
-        except Exception as exc:
-            return error_text(exc)
-        return None
 
     def prepare(self, spec: MoeSpec, w: MoeWeights, n_copies: Callable[[int, int, int], int]):
         """n_copies(expert_bytes, fixed_bytes, bytes of one copy) -> how many copies."""
@@ -301,9 +283,6 @@ class MoeImpl:
 
     def check(self, r: Routing) -> float | None:
         raise NotImplementedError
-
-    def release(self) -> None:
-        self.copies = []
 
 
 def _clone_experts(ex):
