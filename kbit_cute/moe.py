@@ -37,14 +37,13 @@ from torch import nn
 from . import grouped_ops
 from .experts import KbitExperts, check_experts, quantize_experts
 from .format import check_codebook, check_k, normal_float_codebook
-from .nn import _fmt_bytes
+from .nn import _fmt_bytes, apply_keeping_format_fp32, check_checkpoint_k
 from .ops import linear, tiled_sizes
 
 __all__ = ["KbitExpertWeights", "KbitMoE", "combine", "route", "sort_by_expert"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Buffers that are part of the format and stay float32 whatever the module's dtype.
-_FP32_BUFFERS = ("codebook", "scale")
 # Keys up to this many are sorted by torch.topk (one select kernel + torch's one-kernel
 # in-place sort of <= 1024 int64 keys); torch.sort runs the same in-place sort but adds an
 # arange and three copies. Beyond it both fall back to a segmented radix sort, where
@@ -229,30 +228,18 @@ class KbitExpertWeights(nn.Module):
     def _apply(self, fn, recurse=True):
         """``.half()`` / ``.to(dtype)``: the codebook and scale are float32 by the format, so
         they only follow device moves; ``dtype`` follows the conversion."""
-        kept = {n: self._buffers[n] for n in _FP32_BUFFERS}
-        super()._apply(fn, recurse)
-        for name, old in kept.items():
-            new = self._buffers[name]
-            if new.dtype != torch.float32:
-                self.dtype = new.dtype
-                self._buffers[name] = (
-                    torch.empty_like(old, device=new.device)
-                    if old.is_meta or new.is_meta
-                    else old.to(new.device)
-                )
+        converted = apply_keeping_format_fp32(self, fn, recurse)
+        if converted is not None:
+            self.dtype = converted
         return self
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
     ):
         where = prefix.rstrip(".") or type(self).__name__
-        cb = state_dict.get(prefix + "codebook")
-        if cb is not None and cb.numel() != self.codebook.numel():
-            k_ckpt = cb.numel().bit_length() - 1
-            raise ValueError(
-                f"{where}: the checkpoint was quantized with k={k_ckpt} but this layer has "
-                f"k={self.k}; build the module with k={k_ckpt} before load_state_dict"
-            )
+        check_checkpoint_k(
+            state_dict, prefix, self, type(self).__name__, "build the module with k={k}"
+        )
         scale = state_dict.get(prefix + "scale")
         if scale is not None and scale.shape != self.scale.shape:
             raise ValueError(

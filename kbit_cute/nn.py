@@ -134,36 +134,54 @@ class KbitLinear(nn.Module):
     def _apply(self, fn, recurse=True):
         """``.half()`` / ``.to(dtype)`` convert every float tensor; the codebook and scale are
         float32 by the format, so they only follow device moves."""
-        kept = {n: self._buffers[n] for n in _FP32_BUFFERS}
-        super()._apply(fn, recurse)
-        for name, old in kept.items():
-            new = self._buffers[name]
-            if new.dtype != torch.float32:
-                if name == "codebook" and self.bias is None:
-                    self.dtype = new.dtype
-                self._buffers[name] = (
-                    torch.empty_like(old, device=new.device)
-                    if old.is_meta or new.is_meta
-                    else old.to(new.device)
-                )
+        converted = apply_keeping_format_fp32(self, fn, recurse)
         if self.bias is not None:
             self.dtype = self.bias.dtype
+        elif converted is not None:
+            self.dtype = converted
         return self
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
     ):
-        cb = state_dict.get(prefix + "codebook")
-        if cb is not None and cb.numel() != self.codebook.numel():
-            k_ckpt = cb.numel().bit_length() - 1
-            where = prefix.rstrip(".") or "KbitLinear"
-            raise ValueError(
-                f"{where}: the checkpoint was quantized with k={k_ckpt} but this layer has "
-                f"k={self.k}; build the model with quantize_model(model, k={k_ckpt}) (or "
-                f"KbitLinear(..., k={k_ckpt})) before load_state_dict"
-            )
+        check_checkpoint_k(
+            state_dict, prefix, self, "KbitLinear",
+            "build the model with quantize_model(model, k={k}) (or KbitLinear(..., k={k}))",
+        )  # fmt: skip
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+        )
+
+
+def apply_keeping_format_fp32(module: nn.Module, fn, recurse: bool) -> torch.dtype | None:
+    """``nn.Module._apply`` for a module holding a kbit weight's buffers: the ``codebook``
+    and ``scale`` are float32 by the format, so a dtype conversion leaves them float32 (they
+    follow device moves only). Returns the dtype a conversion asked for, or None."""
+    kept = {n: module._buffers[n] for n in _FP32_BUFFERS}
+    nn.Module._apply(module, fn, recurse)
+    converted = None
+    for name, old in kept.items():
+        new = module._buffers[name]
+        if new.dtype != torch.float32:
+            converted = new.dtype
+            module._buffers[name] = (
+                torch.empty_like(old, device=new.device)
+                if old.is_meta or new.is_meta
+                else old.to(new.device)
+            )
+    return converted
+
+
+def check_checkpoint_k(state_dict, prefix: str, module: nn.Module, kind: str, fix: str) -> None:
+    """A checkpoint's codebook size gives its k: loading another k's weights into ``module``
+    fails with the k to use (``fix`` is formatted with ``k=``)."""
+    cb = state_dict.get(prefix + "codebook")
+    if cb is not None and cb.numel() != module.codebook.numel():
+        k_ckpt = cb.numel().bit_length() - 1
+        where = prefix.rstrip(".") or kind
+        raise ValueError(
+            f"{where}: the checkpoint was quantized with k={k_ckpt} but this layer has "
+            f"k={module.k}; {fix.format(k=k_ckpt)} before load_state_dict"
         )
 
 
