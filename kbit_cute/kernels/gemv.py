@@ -59,11 +59,14 @@ ROW_TILES = 2  # mma row tiles (16 columns each) per warp
 WARP_COLS = MMA_M * ROW_TILES
 COLS_PER_GROUP = WARP_COLS * WARPS  # one repack tile
 THREAD_K = BLOCK // 2  # a thread's K run per tile: half of one block
-# Register buffers per warp: a warp has stages - 1 K tiles (256 k bytes each) in flight
-# while it works on one. Measured on the H100 (perf/gemv_kernel_check.py --stages 2 3 4,
-# 3 shapes, M = 1 and 4): k = 2, 3 are best with 3; k = 4, 5 with 2 (a deeper ring costs
-# registers, hence warps per SM, and was up to 20% slower).
-STAGES = {2: 3, 3: 3, 4: 2, 5: 2}
+# Shared-memory ring per warp: each warp copies its own 32 columns' K tiles (words, absmax,
+# activation rows) with cp.async, stages - 1 tiles ahead of the one it works on. Bytes in
+# flight then cost no registers (a register ring capped them near 16 KB per SM, which by
+# Little's law held the stream to ~2 TB/s), and a warp syncs only with itself.
+STAGES = {2: 3, 3: 3, 4: 3, 5: 3}
+CHUNK_WORDS = 4  # one cp.async moves 16 bytes
+ABSMAX_WORDS = WARP_COLS * BLOCKS_PER_TILE_K // 4  # a warp's absmax bytes of a K tile
+A_ROW_WORDS = TILE_K // 2  # one activation row of a K tile (16-bit values)
 
 
 def gemv_mma(dtype: type[cutlass.Numeric]):
@@ -168,18 +171,25 @@ class GemvKernel:
         smem = SmemAllocator()
         sFlag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
 
-        ctx = self.make_mainloop(pCodebook, t)
+        ctx = self.make_mainloop(smem, pCodebook, t)
         acc = ctx[-1]
         for r in cutlass.range_constexpr(ROW_TILES):
             acc[r].fill(0.0)
-        row = cutlass.min(g, M - 1)  # rows past M: recomputed, never stored
-        self.mainloop(mA, mW, mS, col0, row, t, kt_begin, kt_end, ctx)
+        # Activation rows 0..M-1 feed the mma's columns g; threads past M reuse row M-1
+        # (finite values, never stored).
+        self.mainloop(mA, mW, mS, col0, (Int32(0), M), t, kt_begin, kt_end, ctx)
 
         self.epilogue(acc, pScale, pBias, mOut, mWs, pCounters, sFlag, splits, has_bias, col0, t)
 
-    def make_mainloop(self, pCodebook: cute.Pointer, t):
+    def stage_words(self) -> int:
+        """Int32 words of one warp's ring stage: its 32 columns' plane words for both
+        blocks of a K tile, their 64 absmax bytes, and ``m`` activation rows of 64 K."""
+        return WARP_COLS * BLOCKS_PER_TILE_K * self.k + ABSMAX_WORDS + self.m * A_ROW_WORDS
+
+    def make_mainloop(self, smem: SmemAllocator, pCodebook: cute.Pointer, t):
         """What the K loop works with, made once per CTA: (codebook registers, 16-bit half
-        selector, mma atom, A and B fragments, register ring, accumulators per row tile)."""
+        selector, mma atom, A and B fragments, shared-memory ring, the registers of one K
+        tile, accumulators per row tile)."""
         k = self.k
         mCodebook = cute.make_tensor(pCodebook, cute.make_layout(1 << k))
         if self.byte_tables:
@@ -192,30 +202,54 @@ class GemvKernel:
         atom, tiled_mma = gemv_mma(self.dtype)
         frag_a = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((MMA_M, MMA_K)))
         frag_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((MMA_N, MMA_K)))
-        bufs = [self.make_buffers() for _ in range(self.stages)]
+        ring = smem.allocate_tensor(
+            Int32, cute.make_layout(self.stage_words() * self.stages * WARPS), byte_alignment=16
+        )
+        buf = self.make_buffers()
         acc = [
             tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((MMA_M, MMA_N)))
             for _ in range(ROW_TILES)
         ]
-        return codebook, half_select, atom, frag_a, frag_b, bufs, acc
+        return codebook, half_select, atom, frag_a, frag_b, ring, buf, acc
 
     @cute.jit
-    def mainloop(self, mA, mW, mS, col0, row, t, kt_begin, kt_end, ctx):
-        """acc += K tiles kt_begin..kt_end of the thread's columns times activation row
-        ``row``. A ring of register buffers: the next stages - 1 K tiles are in flight while
-        one is dequantized, so a warp always has loads outstanding (no copies, no barrier)."""
-        codebook, half_select, atom, frag_a, frag_b, bufs, acc = ctx
-        S = self.stages
-        for b in cutlass.range_constexpr(S - 1):
-            if kt_begin + b < kt_end:
-                self.load_tile(mA, mW, mS, col0, row, t, kt_begin + b, bufs[b])
-        for kt in cutlass.range(kt_begin, kt_end, S, unroll=1):
-            for b in cutlass.range_constexpr(S):
-                if kt + b < kt_end:
-                    if kt + b + S - 1 < kt_end:
-                        nxt = bufs[(b + S - 1) % S]  # the one finished last step
-                        self.load_tile(mA, mW, mS, col0, row, t, kt + b + S - 1, nxt)
-                    self.mma_tile(bufs[b], codebook, half_select, atom, frag_a, frag_b, acc)
+    def mainloop(self, mA, mW, mS, col0, rows, t, kt_begin, kt_end, ctx):
+        """acc += K tiles kt_begin..kt_end of the thread's columns times the activations of
+        ``rows`` = (first row, count): mma column g takes row first + min(g, count - 1).
+
+        Each warp streams its own 32 columns through its shared-memory ring: cp.async
+        copies run stages - 1 K tiles ahead while the warp dequantizes the current one from
+        registers; only the warp itself waits (``sync_warp``), never the CTA."""
+        codebook, half_select, atom, frag_a, frag_b, ring, buf, acc = ctx
+        S, sw = self.stages, self.stage_words()
+        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+        g = lane // 4
+        warp_ring = ring.iterator + cute.assume(warp * (S * sw), divby=CHUNK_WORDS)
+        wcol = col0 - g  # the warp's first column, 32-aligned: (column in tile, tile) once
+        in_tile, n_tile = wcol % TILE_N, wcol // TILE_N
+        for s in cutlass.range_constexpr(S - 1):
+            if kt_begin + s < kt_end:
+                self.copy_tile(mA, mW, mS, in_tile, n_tile, rows, kt_begin + s, warp_ring + s * sw)
+            cute.arch.cp_async_commit_group()
+        read = Int32(0)
+        for kt in cutlass.range(kt_begin, kt_end, unroll=1):
+            cute.arch.cp_async_wait_group(S - 2)
+            cute.arch.sync_warp()  # every lane's copies of stage ``read`` have landed
+            self.read_tile(warp_ring + cute.assume(read * sw, divby=CHUNK_WORDS), g, t, rows, buf)
+            # The stage read last step is free: every lane passed the sync_warp above.
+            write = read + (S - 1)
+            if write >= S:
+                write = write - S
+            if kt + S - 1 < kt_end:
+                dst = warp_ring + cute.assume(write * sw, divby=CHUNK_WORDS)
+                self.copy_tile(mA, mW, mS, in_tile, n_tile, rows, kt + S - 1, dst)
+            cute.arch.cp_async_commit_group()
+            self.mma_tile(buf, codebook, half_select, atom, frag_a, frag_b, acc)
+            read = read + 1
+            if read == S:
+                read = Int32(0)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_warp()  # a next pass may refill the ring
 
     def make_buffers(self):
         """Registers of one K tile: the words of the thread's 4 columns' block, their absmax
@@ -227,28 +261,83 @@ class GemvKernel:
         )
 
     @cute.jit
-    def load_tile(self, mA, mW, mS, col0, row, t, kt, buf):
-        """Load K tile kt of the thread's columns col0 + 8 j (one repack tile holds all
-        four: the column is split into (column in tile, tile) once, not per column)."""
+    def copy_tile(self, mA, mW, mS, in_tile, n_tile, rows, kt, dst):
+        """cp.async of K tile kt of the warp's 32 columns into the ring stage at ``dst``:
+        [plane words: (col, kb, bit), contiguous in the tiled format | absmax: (col, kb) |
+        activation rows: (K, row)]. Activations past K are zero-filled (the padded weights
+        there are zero, and A must not be NaN)."""
+        k = self.k
+        lane = cute.arch.lane_idx()
+        first_row, n_rows = rows
+        M, K = mA.shape
+        g2s = cute.make_copy_atom(
+            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
+            Int32,
+            num_bits_per_copy=128,
+        )
+        # Activations: the other warps of the CTA read the same rows, so through L1.
+        g2s_l1 = cute.make_copy_atom(
+            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS),
+            Int32,
+            num_bits_per_copy=128,
+        )
+        w_first = cute.crd2idx(((in_tile, n_tile), (0, kt), 0), mW.layout)
+        w_chunks = WARP_COLS * BLOCKS_PER_TILE_K * k // CHUNK_WORDS
+        for i in cutlass.range_constexpr((w_chunks + 31) // 32):
+            c = lane + 32 * i
+            if cutlass.const_expr(32 * (i + 1) <= w_chunks):
+                _copy_chunk(g2s, mW.iterator + cute.assume(w_first + c * 4, divby=4), dst + cute.assume(c * 4, divby=4))
+            elif c < w_chunks:
+                _copy_chunk(g2s, mW.iterator + cute.assume(w_first + c * 4, divby=4), dst + cute.assume(c * 4, divby=4))
+        s_first = cute.crd2idx(((in_tile, n_tile), (0, kt)), mS.layout)
+        s_dst = dst + 4 * w_chunks
+        if lane < ABSMAX_WORDS // CHUNK_WORDS:
+            src = cute.recast_ptr(mS.iterator + cute.assume(s_first + lane * 16, divby=16), dtype=Int32)
+            _copy_chunk(g2s, src, s_dst + cute.assume(lane * 4, divby=4))
+        a_dst = s_dst + ABSMAX_WORDS
+        a_chunks = self.m * A_ROW_WORDS // CHUNK_WORDS
+        for i in cutlass.range_constexpr((a_chunks + 31) // 32):
+            q = lane + 32 * i
+            row, c = q // (A_ROW_WORDS // CHUNK_WORDS), q % (A_ROW_WORDS // CHUNK_WORDS)
+            if q < a_chunks:
+                if row < n_rows:
+                    d = a_dst + cute.assume(q * CHUNK_WORDS, divby=CHUNK_WORDS)
+                    kk = kt * TILE_K + c * (CHUNK_WORDS * 2)
+                    if kk < K:
+                        off = cute.assume((first_row + row) * K + kk, divby=8)
+                        _copy_chunk(g2s_l1, cute.recast_ptr(mA.iterator + off, dtype=Int32), d)
+                    else:
+                        zero = cute.make_rmem_tensor((CHUNK_WORDS,), Int32)
+                        zero.fill(0)
+                        cute.autovec_copy(zero, cute.make_tensor(d, cute.make_layout(CHUNK_WORDS)))
+
+    @cute.jit
+    def read_tile(self, src, g, t, rows, buf):
+        """The thread's part of the ring stage at ``src`` into registers: the k plane words
+        of block t // 2 of its columns g + 8 j (j = 0..3), their absmax codes, and its 16
+        activations (K run t of row min(g, count - 1))."""
         rW, rS, rA = buf
         k = self.k
-        kb = kt * BLOCKS_PER_TILE_K + t // 2
-        in_tile, n_tile = col0 % TILE_N, col0 // TILE_N
-        for j in cutlass.range_constexpr(2 * ROW_TILES):  # column col0 + 8 j
-            col = (in_tile + 8 * j, n_tile)
-            # The k plane words of (column, block) are contiguous ([col][kb][bit] order).
-            w_off = cute.assume(cute.crd2idx((col, kb, 0), mW.layout), divby=k if k % 2 == 0 else 1)
-            cute.autovec_copy(
-                cute.make_tensor(mW.iterator + w_off, cute.make_layout(k)), rW[None, j]
-            )
-            rS[j] = mS[col, kb]
-        M, K = mA.shape
-        k0 = kt * TILE_K + t * THREAD_K
-        if k0 < K:
-            a_off = cute.assume(row * K + k0, divby=THREAD_K)
-            cute.autovec_copy(cute.make_tensor(mA.iterator + a_off, cute.make_layout(THREAD_K)), rA)
-        else:
-            rA.fill(0.0)  # K padding: the weights there are zero, A must not be NaN
+        kb = t // 2
+        absmax = cute.make_tensor(
+            cute.recast_ptr(src + WARP_COLS * BLOCKS_PER_TILE_K * k, dtype=cutlass.Uint8),
+            cute.make_layout(WARP_COLS * BLOCKS_PER_TILE_K),
+        )
+        for j in cutlass.range_constexpr(2 * ROW_TILES):
+            c = g + 8 * j
+            w_off = cute.assume(c * (BLOCKS_PER_TILE_K * k) + kb * k, divby=k if k % 2 == 0 else 1)
+            cute.autovec_copy(cute.make_tensor(src + w_off, cute.make_layout(k)), rW[None, j])
+            rS[j] = absmax[c * BLOCKS_PER_TILE_K + kb]
+        _, n_rows = rows
+        row = cutlass.min(g, n_rows - 1)
+        a_off = cute.assume(
+            WARP_COLS * BLOCKS_PER_TILE_K * k + ABSMAX_WORDS + row * A_ROW_WORDS + t * (THREAD_K // 2),
+            divby=CHUNK_WORDS,
+        )
+        cute.autovec_copy(
+            cute.make_tensor(cute.recast_ptr(src + a_off, dtype=self.dtype), cute.make_layout(THREAD_K)),
+            rA,
+        )
 
     def mma_tile(self, buf, codebook, half_select, atom, frag_a, frag_b, acc):
         """acc[r] += this K tile of the thread's columns (row tile r) times the activations."""
@@ -363,6 +452,15 @@ class GemvKernel:
             mOut[m, n] = self.dtype(r)
 
 
+def _copy_chunk(atom, src: cute.Pointer, dst: cute.Pointer):
+    """One 16-byte cp.async, global ``src`` -> shared ``dst`` (Int32 pointers)."""
+    cute.copy(
+        atom,
+        cute.make_tensor(src, cute.make_layout(CHUNK_WORDS)),
+        cute.make_tensor(dst, cute.make_layout(CHUNK_WORDS)),
+    )
+
+
 def _pairs_of(fields, width: int):
     """Pair the thread's K positions for the mma registers, as the SWAR fields lie.
 
@@ -404,7 +502,7 @@ def gemv_spec(k: int, m: int, dtype: str, stages: int | None = None):
         return GemvKernel(k, m, dt, stages), args
 
     suffix = f"_s{stages}" if stages else ""
-    return KernelSpec(f"gemv_k{k}_m{m}_{dtype}{suffix}", build, expect=("LDG.E.128", "HMMA"))
+    return KernelSpec(f"gemv_k{k}_m{m}_{dtype}{suffix}", build, expect=("LDGSTS", "HMMA"))
 
 
 def specs():

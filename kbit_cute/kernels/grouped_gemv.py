@@ -39,7 +39,6 @@ from .gemv import (
     COLS_PER_GROUP,
     MMA_N,
     ROW_TILES,
-    STAGES,
     WARPS,
     GemvKernel,
 )
@@ -47,6 +46,7 @@ from .gemv import (
 ROWS_PER_PASS = MMA_N  # activation rows per mma: rows of an expert handled per K pass
 GATE_UP_COLS = COLS_PER_GROUP // 2  # outputs per CTA of the fused gate/up kernel
 _LOG2_E = 1.4426950408889634
+SMEM_PER_SM = 227 * 1024  # H100 / A100 shared memory a kernel may use per SM
 SCAN_PER_THREAD = 4  # experts each thread checks per round of the slot -> expert scan
 
 
@@ -67,14 +67,11 @@ class GroupedGemvKernel(GemvKernel):
     def __init__(self, k: int, dtype: type[cutlass.Numeric], gate_up: bool, stages=None):
         super().__init__(k, ROWS_PER_PASS, dtype, stages)
         self.gate_up = gate_up
-        # Register cap through CTAs per SM: 4 (128 registers) fit the GEMV's loop plus the
-        # pass loop and the expert scan without spills for k <= 3, and k = 4 on sm_90
-        # (sm_80's code for k = 4 and k = 5 anywhere: 3); a deeper ring than the GEMV's
-        # trades CTAs per SM for bytes in flight.
-        from ..compile import target_arch
-
-        roomy = k <= 3 or (k == 4 and target_arch().startswith("sm_9"))
-        self.min_ctas_per_sm = 2 if self.stages > STAGES[k] else 4 if roomy else 3
+        # Register cap: as many CTAs per SM as the shared-memory rings allow (at most 6),
+        # so the compiler keeps each thread to the registers that many CTAs can have.
+        ring_bytes = 4 * self.stage_words() * self.stages * WARPS
+        epilogue_bytes = 4 * ROWS_PER_PASS * (COLS_PER_GROUP + 4) + 64
+        self.min_ctas_per_sm = max(1, min(6, SMEM_PER_SM // (ring_bytes + epilogue_bytes)))
 
     @cute.jit
     def __call__(
@@ -177,13 +174,16 @@ class GroupedGemvKernel(GemvKernel):
             col0 = cta_col + cute.crd2idx((g, 0, 0, warp), lay)
             absmax_bytes = n_tiles * k_tiles * TILE_N * (TILE_K // 32)
             words = absmax_bytes * k
-            mWe = cute.make_tensor(mW.iterator + Int64(expert) * Int64(words), mW.layout)
-            mSe = cute.make_tensor(mS.iterator + Int64(expert) * Int64(absmax_bytes), mS.layout)
+            # Every expert's words and absmax start 1 KB apart at least (whole repack tiles).
+            w_first = cute.assume(Int64(expert) * Int64(words), divby=TILE_N)
+            s_first = cute.assume(Int64(expert) * Int64(absmax_bytes), divby=TILE_N)
+            mWe = cute.make_tensor(mW.iterator + w_first, mW.layout)
+            mSe = cute.make_tensor(mS.iterator + s_first, mS.layout)
             scale = mScale[expert]
             kt_begin = split * k_tiles // splits
             kt_end = (split + 1) * k_tiles // splits
 
-            ctx = self.make_mainloop(pCodebook, t)
+            ctx = self.make_mainloop(smem, pCodebook, t)
             acc = ctx[-1]
             mWs = cute.make_tensor(
                 pWorkspace,
@@ -204,8 +204,8 @@ class GroupedGemvKernel(GemvKernel):
                 for r in cutlass.range_constexpr(ROW_TILES):
                     acc[r].fill(0.0)
                 left = done - p * ROWS_PER_PASS
-                row = row_begin + p * ROWS_PER_PASS + cutlass.min(g, left - 1)
-                self.mainloop(mA, mWe, mSe, col0, row, t, kt_begin, kt_end, ctx)
+                pass_rows = (row_begin + p * ROWS_PER_PASS, left)
+                self.mainloop(mA, mWe, mSe, col0, pass_rows, t, kt_begin, kt_end, ctx)
                 self.pass_epilogue(
                     acc, scale, mOut, mWs, sOut, splits, p, row_begin, left, cta_col, t
                 )
@@ -357,7 +357,7 @@ def grouped_gemv_spec(k: int, dtype: str, gate_up: bool, stages: int | None = No
     kind = "gate_up" if gate_up else "down"
     suffix = f"_s{stages}" if stages else ""
     return KernelSpec(
-        f"grouped_gemv_{kind}_k{k}_{dtype}{suffix}", build, expect=("LDG.E.128", "HMMA")
+        f"grouped_gemv_{kind}_k{k}_{dtype}{suffix}", build, expect=("LDGSTS", "HMMA")
     )
 
 
