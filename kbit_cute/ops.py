@@ -227,9 +227,9 @@ def _(packed, absmax, codebook, scale, k, N, K, dtype, out):
 
 # ============================================================================ gemm
 
-GEMV_MAX_M = 4
+GEMV_MAX_M = 8  # the GEMV's mma has 8 activation columns; larger M goes to the GEMM
 _COLS_PER_GROUP = 64
-_M_BUCKET = (0, 1, 2, 4, 4)  # M -> the compiled rows bucket of the GEMV
+_M_BUCKET = (0, 1, 2, 4, 4, 8, 8, 8, 8)  # M -> the compiled rows bucket of the GEMV
 
 
 def gemv_splits(N: int, K: int, sm_count: int, m: int = 1) -> int:
@@ -291,7 +291,7 @@ def _split_scratch(dev: int, stream: int, ws_elems: int, groups: int):
 class _GemvPlan:
     """One weight shape (k, N, K) for one activation dtype on one CUDA device, made by the
     first call (which checks the weight's tensors in full): the sizes the hot path re-checks,
-    per M in 1..4 the launch function and split count (on first use of that M), and per
+    per M in 1..8 the launch function and split count (on first use of that M), and per
     stream split-K scratch big enough for every M."""
 
     __slots__ = ("k", "N", "K", "dtype", "words", "codes", "bias_shape", "groups", "splits")
@@ -304,7 +304,7 @@ class _GemvPlan:
         self.bias_shape = torch.Size((N,))
         self.groups = -(-N // 128) * 2
         small, large = gemv_splits(N, K, sm_count), gemv_splits(N, K, sm_count, m=4)
-        self.splits = (0, small, small, large, large)
+        self.splits = (0, small, small) + (large,) * (GEMV_MAX_M - 2)
         per_group = max(self.splits[m] * _M_BUCKET[m] for m in range(1, GEMV_MAX_M + 1))
         self.ws_elems = per_group * self.groups * _COLS_PER_GROUP
         self.by_m: list[tuple[object, int] | None] = [None] * (GEMV_MAX_M + 1)
@@ -342,7 +342,7 @@ def gemm(
 ) -> torch.Tensor:
     """out[..., N] = A[..., K] @ W^T (+ bias), W a ``KbitWeight``; output in A's dtype.
 
-    M = product of A's leading dims. On CUDA (fp16/bf16) M <= 4 runs the GEMV
+    M = product of A's leading dims. On CUDA (fp16/bf16) M <= 8 runs the GEMV
     kernel; larger M the mma.sync GEMM (or dequantize + cuBLAS from the measured
     crossover). On the CPU: dequantize + matmul.
     """

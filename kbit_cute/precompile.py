@@ -35,7 +35,7 @@ def _dtype_name(d) -> str:
     raise ValueError(f"dtype must be a torch dtype or one of f16, bf16, f32, got {d!r}")
 
 
-def select_specs(k=(2, 3, 4, 5), dtypes=("f16", "bf16"), m=(1, 2, 4), kernels=None):
+def select_specs(k=(2, 3, 4, 5), dtypes=("f16", "bf16"), m=(1, 2, 4, 8), kernels=None):
     """Registered variants whose name tokens (``k4``, ``m1``, ``f16`` ...) are in the given
     sets; a name without such a token (e.g. no ``m``) passes that filter. ``kernels``: name
     prefixes (``gemv``, ``dequantize`` ...), default all."""
@@ -124,7 +124,7 @@ def build(specs, arch: str, jobs: int | None = None, verbose: bool = False) -> d
 def warmup(
     k=(2, 3, 4, 5),
     dtypes=(torch.float16, torch.bfloat16),
-    m=(1, 2, 4),
+    m=(1, 2, 4, 8),
     kernels=None,
     jobs: int | None = None,
 ) -> dict:
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", help="target, e.g. sm_90a (default: this GPU's)")
     p.add_argument("--k", type=int, nargs="+", default=[2, 3, 4, 5])
     p.add_argument("--dtypes", nargs="+", default=["f16", "bf16", "f32"])
-    p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--kernels", nargs="+", help="name prefixes, e.g. gemv dequantize")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--list", action="store_true", help="list the variants and their entries")

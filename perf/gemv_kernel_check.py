@@ -19,6 +19,7 @@ from kbit_cute.compile import launcher
 from kbit_cute.format import dequantize as dequantize_reference
 from kbit_cute.format import quantize
 from kbit_cute.kernels.gemv import COLS_PER_GROUP, gemv_spec
+from kbit_cute.ops import _M_BUCKET
 from perf.common import copies_for, graph_time_us, read_bandwidth_gbs
 
 _NAMES = {torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -26,13 +27,13 @@ _ws = torch.empty(0)
 _counters = torch.empty(0)
 
 
-def run_gemv(A, qw, out, splits, stages=None):
-    """One GEMV launch with an explicit split count and register-ring depth (through the
-    library's launcher; the workspace is this script's own)."""
+def run_gemv(A, qw, out, splits, stages=None, lookup=None, warps_k=None):
+    """One GEMV launch with an explicit split count and kernel variant (ring depth, lookup,
+    K warps; through the library's launcher; the workspace is this script's own)."""
     global _ws, _counters
     M = A.shape[0]
-    m = 1 if M == 1 else 2 if M == 2 else 4
-    fn = launcher(gemv_spec(qw.k, m, _NAMES[A.dtype], stages))
+    m = _M_BUCKET[M]
+    fn = launcher(gemv_spec(qw.k, m, _NAMES[A.dtype], stages, lookup, warps_k))
     need = splits * m * -(-qw.N // COLS_PER_GROUP) * COLS_PER_GROUP
     if _ws.numel() < need or _ws.device.type != "cuda":
         _ws = torch.empty(max(need, 1 << 22), device="cuda")
@@ -41,18 +42,25 @@ def run_gemv(A, qw, out, splits, stages=None):
        M, qw.N, qw.K, splits, 0)  # fmt: skip
 
 
-def check() -> list:
+def _lookup_fits(lookup: str, k: int) -> bool:
+    """Which lookups a k can take (pair shuffles need 2-bit, pair tables <= 4-bit fields)."""
+    return {"pair_shuffle": k == 2, "pair_table": k <= 4, "byte_tables": k <= 3}.get(lookup, True)  # noqa
+
+
+def check(variants=((None, None),)) -> list:
     rows, bad = [], 0
     for K, N in [(2048, 512), (512, 2048), (1056, 1000), (4096, 2048), (160, 200)]:
         for k in (2, 3, 4, 5):
             qw = quantize(torch.randn(N, K, device="cuda") * 0.05, k)
             W = dequantize_reference(qw, torch.float32)
             for dtype in (torch.float16, torch.bfloat16):
-                for M in (1, 2, 3, 4):
-                    for splits in (1, 3):
+                for M in (1, 2, 3, 4, 5, 8):
+                    for splits, (lk, wk) in [(s, v) for s in (1, 3) for v in variants]:
+                        if lk and not _lookup_fits(lk, k):
+                            continue
                         A = torch.randn(M, K, device="cuda", dtype=dtype)
                         out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
-                        run_gemv(A, qw, out, splits)
+                        run_gemv(A, qw, out, splits, None, lk, wk)
                         ref = A.float() @ W.T
                         err = ((out.float() - ref).norm() / ref.norm()).item()
                         nan = torch.isnan(out).any().item()
@@ -61,15 +69,26 @@ def check() -> list:
                         bad += not ok
                         if not ok or (M == 4 and splits == 3 and K == 1056):
                             rows.append(
-                                [f"{K}x{N}", k, _NAMES[dtype], M, splits, f"{err:.2e}", nan, ok]
+                                [
+                                    f"{K}x{N}",
+                                    k,
+                                    _NAMES[dtype],
+                                    M,
+                                    splits,
+                                    lk,
+                                    wk,
+                                    f"{err:.2e}",
+                                    nan,
+                                    ok,
+                                ]
                             )
-    print(tabulate(rows, headers=["KxN", "k", "dtype", "M", "splits", "rel err", "nan", "ok"],
+    print(tabulate(rows, headers=["KxN", "k", "dtype", "M", "splits", "lookup", "wk", "rel err", "nan", "ok"],
                    tablefmt="github"))  # fmt: skip
     print(f"correctness: {bad} failures")
     return rows
 
 
-def bench(split_options, ks, Ms, shapes, stage_options=(None,)) -> list:
+def bench(split_options, ks, Ms, shapes, stage_options=(None,), variants=((None, None),)) -> list:
     bw = read_bandwidth_gbs()
     rows, recs = [], []
     for K, N in shapes:
@@ -92,21 +111,26 @@ def bench(split_options, ks, Ms, shapes, stage_options=(None,)) -> list:
             for M in Ms:
                 A = torch.randn(M, K, device="cuda", dtype=torch.float16)
                 out = torch.empty(M, N, device="cuda", dtype=torch.float16)
-                for splits, st in [(s, st) for s in split_options for st in stage_options]:
+                combos = [
+                    (s, st, v) for s in split_options for st in stage_options for v in variants
+                ]
+                for splits, st, (lk, wk) in combos:
+                    if lk and not _lookup_fits(lk, k):
+                        continue
                     t = graph_time_us(
-                        lambda i, A=A, out=out, s=splits, st=st: (
-                            lambda: run_gemv(A, qws[i], out, s, st)
+                        lambda i, A=A, out=out, s=splits, st=st, lk=lk, wk=wk: (
+                            lambda: run_gemv(A, qws[i], out, s, st, lk, wk)
                         ),
                         nq,
                     )
                     gbs = qw.nbytes / (t * 1e3)
-                    recs.append(dict(K=K, N=N, k=k, M=M, splits=splits, stages=st, us=t, pct=100 * gbs / bw,
-                                     cublas=t_cublas[M]))  # fmt: skip
-                    rows.append([f"{K}x{N}", k, M, splits, st, f"{t:.1f}", f"{qw.nbytes / bw / 1e3:.1f}",
+                    recs.append(dict(K=K, N=N, k=k, M=M, splits=splits, stages=st, lookup=lk,
+                                     warps_k=wk, us=t, pct=100 * gbs / bw, cublas=t_cublas[M]))  # fmt: skip
+                    rows.append([f"{K}x{N}", k, M, splits, st, f"{lk or ''}/{wk or ''}", f"{t:.1f}", f"{qw.nbytes / bw / 1e3:.1f}",
                                  f"{100 * gbs / bw:.0f}%", f"{t_cublas[M]:.1f}", f"{t_cublas[M] / t:.2f}x"])  # fmt: skip
 
     print(f"read bandwidth {bw:.0f} GB/s")
-    print(tabulate(rows, headers=["KxN", "k", "M", "splits", "stages", "us", "floor us", "% BW", "cuBLAS us",
+    print(tabulate(rows, headers=["KxN", "k", "M", "splits", "stages", "lookup/wk", "us", "floor us", "% BW", "cuBLAS us",
                                   "vs cuBLAS"], tablefmt="github"))  # fmt: skip
     return recs
 
@@ -119,11 +143,17 @@ def main() -> None:
     p.add_argument("--shapes", default="8192x28672,4096x14336,14336x4096")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--stages", type=int, nargs="+", default=[None])
+    p.add_argument("--variants", nargs="+", default=["default"],
+                   help="lookup/warps_k pairs, e.g. pair_table/2 shuffle/1 default")  # fmt: skip
     args = p.parse_args()
+    variants = []
+    for v in args.variants:
+        lk, _, wk = v.partition("/")
+        variants.append((None if lk == "default" else lk, int(wk) if wk else None))
     if not args.no_check:
-        check()
+        check(variants)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
-    recs = bench(args.splits, args.k, args.m, shapes, args.stages)
+    recs = bench(args.splits, args.k, args.m, shapes, args.stages, variants)
     with open(os.path.join(os.environ.get("OUT", "."), "gemv_kernel_check.json"), "w") as f:
         json.dump(recs, f)
 

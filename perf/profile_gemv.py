@@ -21,6 +21,8 @@ def main() -> None:
     p.add_argument("--shape", default="8192x28672", help="KxN")
     p.add_argument("--splits", type=int, default=4)
     p.add_argument("--stages", type=int, default=None)
+    p.add_argument("--lookup", default=None, help="GemvKernel lookup override")
+    p.add_argument("--warps-k", type=int, default=None)
     p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     p.add_argument("--launches", type=int, default=6)
     args = p.parse_args()
@@ -30,7 +32,7 @@ def main() -> None:
     A = torch.randn(args.m, K, device="cuda", dtype=dtype)
     out = torch.empty(args.m, N, device="cuda", dtype=dtype)
     for _ in range(args.launches):
-        run_gemv(A, qw, out, args.splits, stages=args.stages)
+        run_gemv(A, qw, out, args.splits, args.stages, args.lookup, args.warps_k)
     torch.cuda.synchronize()
     print(f"profile_gemv: k={args.k} M={args.m} {K}x{N} {args.launches} launches done")
 

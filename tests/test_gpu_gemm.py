@@ -183,9 +183,10 @@ def test_under_cuda_graph(weights):
         assert rel_err(out, reference(A, qw)) < TOL[torch.float16]
 
 
-@pytest.mark.parametrize("lead", [(1, 5), (3, 13), (2, 150)])  # M = 5, 39 (kernel), 300 (cuBLAS)
+# M = 5 (GEMV), 39 (GEMM kernel), 300 (cuBLAS)
+@pytest.mark.parametrize("lead", [(1, 5), (3, 13), (2, 150)])
 def test_kbit_cute_gemm_for_m_above_4(lead, weights):
-    """The public entry point for M > 4, on both sides of the dispatch crossover."""
+    """The public entry point for M > 4, across the GEMV / GEMM / cuBLAS dispatch."""
     qw = weights(1056, 1000, 5)
     A = torch.randn(*lead, 1056, device="cuda", dtype=torch.bfloat16)
     M = lead[0] * lead[1]

@@ -1,4 +1,4 @@
-"""GEMV for M = 1..4: out[M, N] = A[M, K] @ W^T, W in the tiled kbit format, on tensor cores.
+"""GEMV for M = 1..8: out[M, N] = A[M, K] @ W^T, W in the tiled kbit format, on tensor cores.
 
 Decode is bound by streaming W, and the issue rate, not the loads, is what limits a
 dequantizing kernel: at 3 TB/s each SM must retire ~22 (k=4) to ~41 (k=2) weights per
@@ -64,6 +64,12 @@ THREAD_K = BLOCK // 2  # a thread's K run per tile: half of one block
 # flight then cost no registers (a register ring capped them near 16 KB per SM, which by
 # Little's law held the stream to ~2 TB/s), and a warp syncs only with itself.
 STAGES = {2: 3, 3: 3, 4: 3, 5: 3}
+LOOKUP = {2: "pair_shuffle", 3: "byte_tables", 4: "shuffle", 5: "shuffle"}
+# Pair table (k = 4): entry p = (codebook[p & 15], codebook[p >> 4]), one copy per lane so
+# that a warp's 32 loads hit 32 banks: byte address p * 256 + lane * 4 (a prmt builds it
+# from the pair's byte and the lane's byte; rows are 256 bytes, half of each unused).
+PAIR_TABLE_ROW = 256
+PAIR_TABLE_BYTES = 256 * PAIR_TABLE_ROW
 CHUNK_WORDS = 4  # one cp.async moves 16 bytes
 ABSMAX_WORDS = WARP_COLS * BLOCKS_PER_TILE_K // 4  # a warp's absmax bytes of a K tile
 A_ROW_WORDS = TILE_K // 2  # one activation row of a K tile (16-bit values)
@@ -80,28 +86,45 @@ def gemv_mma(dtype: type[cutlass.Numeric]):
 
 
 class GemvKernel:
-    """Compile-time config: bits ``k``, rows bucket ``m`` (1, 2 or 4), activation dtype."""
+    """Compile-time config: bits ``k``, rows bucket ``m`` (1, 2, 4 or 8), activation dtype."""
 
-    threads = 32 * WARPS
-
-    def __init__(self, k: int, m: int, dtype: type[cutlass.Numeric], stages: int | None = None):
+    def __init__(
+        self,
+        k: int,
+        m: int,
+        dtype: type[cutlass.Numeric],
+        stages: int | None = None,
+        lookup: str | None = None,
+        warps_k: int | None = None,
+    ):
         self.k, self.m, self.dtype = k, m, dtype
-        # K tiles in flight per warp, in registers (see STAGES).
+        # K tiles in flight per warp, in its shared-memory ring (see STAGES).
         self.stages = stages or STAGES[k]
-        # How indices become values. The integer ALU pipe runs at half the issue rate and
-        # is what these kernels saturate first, so each k takes the lookup with the fewest
-        # integer instructions per weight:
+        # How indices become values. Issue slots and the integer ALU pipe (half the issue
+        # rate) are what these kernels run out of, so each k takes the lookup with the
+        # fewest instructions per weight:
         # k = 2: one shuffle per pair from a 16-entry table of pairs (two adjacent 2-bit
         #        fields are its lane index);
         # k = 3: byte-select tables, scaled per block, four lookups per two prmt;
         # k >= 4: one shuffle per weight, two merged into a pair with one prmt.
-        self.lookup = {2: "pair_shuffle", 3: "byte_tables"}.get(k, "shuffle")
+        # "pair_table" (k <= 4, an option): one shared-memory load per pair from a
+        # 256-entry table of pairs, its address one prmt from the byte that holds the
+        # pair's two 4-bit fields. A third fewer instructions at k = 4, but the 64 KB
+        # table halves the warps per SM: it measured equal at k = 4, 10% faster at k = 3
+        # on 8192x28672 and slower on small shapes (perf/NOTES.md).
+        self.lookup = lookup or LOOKUP[k]
         self.byte_tables = self.lookup == "byte_tables"
-        self.field_width = field_bits(k, 4 if self.byte_tables else 1)
+        self.field_width = field_bits(k, 4 if self.lookup in ("byte_tables", "pair_table") else 1)
+        # Warps per CTA: 4 column warps (one repack tile), times warps_k that split the
+        # CTA's K range and add up in shared memory: the 64 KB pair table is shared by
+        # more warps, so more of them fit on an SM.
+        self.warps_k = warps_k or (2 if self.lookup == "pair_table" else 1)
+        self.warps = WARPS * self.warps_k
+        self.threads = 32 * self.warps
 
     @staticmethod
     def can_implement(k: int, m: int, dtype) -> bool:
-        return k in (2, 3, 4, 5) and m in (1, 2, 4) and dtype in (cutlass.Float16, cutlass.BFloat16)
+        return k in (2, 3, 4, 5) and m in M_BUCKETS and dtype in (cutlass.Float16, cutlass.BFloat16)
 
     @cute.jit
     def __call__(
@@ -160,13 +183,20 @@ class GemvKernel:
         tidx, _, _ = cute.arch.thread_idx()
         group, split, _ = cute.arch.block_idx()
         warp, lane = tidx // 32, tidx % 32
+        wn, wk = warp % WARPS, warp // WARPS  # column warp, K part
         M, K = mA.shape
         # mma fragment coordinates: lane = 4 * g + t. The thread's mma rows are g and g + 8
         # of each row tile; its K run in a tile is block kb = t / 2, half h = t % 2.
         g, t = lane // 4, lane % 4
-        col0 = group * COLS_PER_GROUP + warp * WARP_COLS + g
+        col0 = group * COLS_PER_GROUP + wn * WARP_COLS + g
         kt_begin = split * k_tiles // splits
         kt_end = (split + 1) * k_tiles // splits
+        if cutlass.const_expr(self.warps_k > 1):  # this warp's part of the CTA's K tiles
+            n_kt = kt_end - kt_begin
+            kt_begin, kt_end = (
+                kt_begin + wk * n_kt // self.warps_k,
+                kt_begin + (wk + 1) * n_kt // self.warps_k,
+            )
 
         smem = SmemAllocator()
         sFlag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
@@ -178,8 +208,33 @@ class GemvKernel:
         # Activation rows 0..M-1 feed the mma's columns g; threads past M reuse row M-1
         # (finite values, never stored).
         self.mainloop(mA, mW, mS, col0, (Int32(0), M), t, kt_begin, kt_end, ctx)
+        if cutlass.const_expr(self.warps_k > 1):
+            self.add_k_parts(acc, ctx[5], wk)
 
-        self.epilogue(acc, pScale, pBias, mOut, mWs, pCounters, sFlag, splits, has_bias, col0, t)
+        self.epilogue(
+            acc, pScale, pBias, mOut, mWs, pCounters, sFlag, splits, has_bias, col0, t, wk == 0
+        )
+
+    @cute.jit
+    def add_k_parts(self, acc, ring, wk):
+        """Column warp wn of K part 0 takes the sums of the other K parts' warp wn, through
+        the ring's shared memory (every warp is past its K loop, so the ring is free)."""
+        acc_n = ROW_TILES * 4
+        lay = cute.make_layout((acc_n, self.threads // self.warps_k, self.warps_k))
+        buf = cute.make_tensor(cute.recast_ptr(ring.iterator, dtype=Float32), lay)
+        tidx, _, _ = cute.arch.thread_idx()
+        col_thread = tidx % (self.threads // self.warps_k)
+        cute.arch.sync_threads()
+        if wk > 0:
+            for r in cutlass.range_constexpr(ROW_TILES):
+                for i in cutlass.range_constexpr(4):
+                    buf[r * 4 + i, col_thread, wk] = acc[r][i]
+        cute.arch.sync_threads()
+        if wk == 0:
+            for p in cutlass.range_constexpr(1, self.warps_k):
+                for r in cutlass.range_constexpr(ROW_TILES):
+                    for i in cutlass.range_constexpr(4):
+                        acc[r][i] = acc[r][i] + buf[r * 4 + i, col_thread, p]
 
     def stage_words(self) -> int:
         """Int32 words of one warp's ring stage: its 32 columns' plane words for both
@@ -202,8 +257,12 @@ class GemvKernel:
         atom, tiled_mma = gemv_mma(self.dtype)
         frag_a = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((MMA_M, MMA_K)))
         frag_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((MMA_N, MMA_K)))
+        if cutlass.const_expr(self.lookup == "pair_table"):
+            codebook = self.make_pair_table(smem, codebook)
         ring = smem.allocate_tensor(
-            Int32, cute.make_layout(self.stage_words() * self.stages * WARPS), byte_alignment=16
+            Int32,
+            cute.make_layout(self.stage_words() * self.stages * self.warps),
+            byte_alignment=16,
         )
         buf = self.make_buffers()
         acc = [
@@ -211,6 +270,29 @@ class GemvKernel:
             for _ in range(ROW_TILES)
         ]
         return codebook, half_select, atom, frag_a, frag_b, ring, buf, acc
+
+    def make_pair_table(self, smem: SmemAllocator, cb_lane):
+        """Fill the CTA's shared pair table from the codebook lanes (``cb_lane``: entry
+        lane % 16 in both halves); returns (table byte pointer, this lane's byte offset
+        register). Each thread writes 8 rows' 4-lane slices with 16-byte stores."""
+        table = smem.allocate_tensor(
+            Uint32, cute.make_layout(PAIR_TABLE_BYTES // 4), byte_alignment=1024
+        )
+        tidx, _, _ = cute.arch.thread_idx()
+        lane = tidx % 32
+        slices = PAIR_TABLE_ROW // 2 // 16  # 16-byte slices of a row's used half
+        for i in range(256 * slices // self.threads):
+            chunk = tidx + i * self.threads
+            p, sl = chunk // slices, chunk % slices
+            lo = codebook_lookup_x2(cb_lane, Uint32(p) & Uint32(15))
+            hi = codebook_lookup_x2(cb_lane, Uint32(p) >> Uint32(4))
+            v = prmt(lo, hi, 0x5410)
+            four = cute.make_rmem_tensor((4,), Uint32)
+            four.fill(v)
+            dst = table.iterator + cute.assume(p * (PAIR_TABLE_ROW // 4) + sl * 4, divby=4)
+            cute.autovec_copy(four, cute.make_tensor(dst, cute.make_layout(4)))
+        cute.arch.sync_threads()
+        return cute.recast_ptr(table.iterator, dtype=cutlass.Uint8), Uint32(lane * 4)
 
     @cute.jit
     def mainloop(self, mA, mW, mS, col0, rows, t, kt_begin, kt_end, ctx):
@@ -286,13 +368,23 @@ class GemvKernel:
         for i in cutlass.range_constexpr((w_chunks + 31) // 32):
             c = lane + 32 * i
             if cutlass.const_expr(32 * (i + 1) <= w_chunks):
-                _copy_chunk(g2s, mW.iterator + cute.assume(w_first + c * 4, divby=4), dst + cute.assume(c * 4, divby=4))
+                _copy_chunk(
+                    g2s,
+                    mW.iterator + cute.assume(w_first + c * 4, divby=4),
+                    dst + cute.assume(c * 4, divby=4),
+                )
             elif c < w_chunks:
-                _copy_chunk(g2s, mW.iterator + cute.assume(w_first + c * 4, divby=4), dst + cute.assume(c * 4, divby=4))
+                _copy_chunk(
+                    g2s,
+                    mW.iterator + cute.assume(w_first + c * 4, divby=4),
+                    dst + cute.assume(c * 4, divby=4),
+                )
         s_first = cute.crd2idx(((in_tile, n_tile), (0, kt)), mS.layout)
         s_dst = dst + 4 * w_chunks
         if lane < ABSMAX_WORDS // CHUNK_WORDS:
-            src = cute.recast_ptr(mS.iterator + cute.assume(s_first + lane * 16, divby=16), dtype=Int32)
+            src = cute.recast_ptr(
+                mS.iterator + cute.assume(s_first + lane * 16, divby=16), dtype=Int32
+            )
             _copy_chunk(g2s, src, s_dst + cute.assume(lane * 4, divby=4))
         a_dst = s_dst + ABSMAX_WORDS
         a_chunks = self.m * A_ROW_WORDS // CHUNK_WORDS
@@ -331,11 +423,16 @@ class GemvKernel:
         _, n_rows = rows
         row = cutlass.min(g, n_rows - 1)
         a_off = cute.assume(
-            WARP_COLS * BLOCKS_PER_TILE_K * k + ABSMAX_WORDS + row * A_ROW_WORDS + t * (THREAD_K // 2),
+            WARP_COLS * BLOCKS_PER_TILE_K * k
+            + ABSMAX_WORDS
+            + row * A_ROW_WORDS
+            + t * (THREAD_K // 2),
             divby=CHUNK_WORDS,
         )
         cute.autovec_copy(
-            cute.make_tensor(cute.recast_ptr(src + a_off, dtype=self.dtype), cute.make_layout(THREAD_K)),
+            cute.make_tensor(
+                cute.recast_ptr(src + a_off, dtype=self.dtype), cute.make_layout(THREAD_K)
+            ),
             rA,
         )
 
@@ -395,6 +492,13 @@ class GemvKernel:
             sel = word if quad == 0 else word >> 16
             lo, hi = byte_table_lookup(codebook, sel)
             return prmt(lo, hi, byte_pair_selector(fa % 4, fb % 4))
+        elif self.lookup == "pair_table":
+            assert fb == fa + 1 and fa % 2 == 0  # one byte: a 256-entry pair index
+            table, lane_offset = codebook
+            # address byte 0 = the lane's copy, byte 1 = the pair index, bytes 2, 3 = 0
+            addr = prmt(word, lane_offset, 0x5504 | (fa // 2) << 4)
+            entry = cute.recast_ptr(table + cute.assume(Int32(addr), divby=4), dtype=Uint32)
+            return cute.make_tensor(entry, cute.make_layout(1))[0]
         elif self.lookup == "pair_shuffle":
             assert fb == fa + 1  # adjacent 2-bit fields: one 4-bit pair index
             return codebook_lookup_x2(codebook, word >> (fa * W) if fa else word)
@@ -411,7 +515,9 @@ class GemvKernel:
         return prmt(act[ea // 2], act[eb // 2], pair_selector(ea % 2, eb % 2))
 
     @cute.jit
-    def epilogue(self, acc, pScale, pBias, mOut, mWs, pCounters, sFlag, splits, has_bias, col0, t):
+    def epilogue(
+        self, acc, pScale, pBias, mOut, mWs, pCounters, sFlag, splits, has_bias, col0, t, owner
+    ):
         """C fragment: acc[r][i] is column col0 + 16 r + 8 (i // 2), row 2 t + i % 2."""
         m_rows = self.m
         tidx, _, _ = cute.arch.thread_idx()
@@ -423,11 +529,12 @@ class GemvKernel:
             for i in cutlass.range_constexpr(4):
                 col = col0 + 16 * r + 8 * (i // 2)
                 m = 2 * t + i % 2
-                if m < m_rows:
-                    if splits == 1:
-                        self.store(acc[r][i], scale, mBias, mOut, has_bias, m, col)
-                    else:
-                        mWs[col, m, split] = acc[r][i]
+                if owner:
+                    if m < m_rows:
+                        if splits == 1:
+                            self.store(acc[r][i], scale, mBias, mOut, has_bias, m, col)
+                        else:
+                            mWs[col, m, split] = acc[r][i]
         if splits > 1:
             if split_k_arrive(pCounters + group, splits, sFlag) != 0:  # the last CTA reduces
                 outputs = COLS_PER_GROUP * m_rows
@@ -483,12 +590,15 @@ def _pairs_of(fields, width: int):
 
 _DTYPES = {"f16": cutlass.Float16, "bf16": cutlass.BFloat16}
 _DTYPE_NAME = {v: n for n, v in _DTYPES.items()}
-M_BUCKETS = (1, 2, 4)
+M_BUCKETS = (1, 2, 4, 8)  # activation rows per variant: the mma has 8 columns
 
 
-def gemv_spec(k: int, m: int, dtype: str, stages: int | None = None):
+def gemv_spec(
+    k: int, m: int, dtype: str, stages: int | None = None, lookup: str | None = None,
+    warps_k: int | None = None,
+):  # fmt: skip
     """The compiled variant of ``GemvKernel`` for bits ``k``, rows bucket ``m``, dtype name
-    (``stages``: override the register pipeline depth, for tuning)."""
+    (``stages``, ``lookup``, ``warps_k``: override the defaults, for tuning)."""
     from ..compile import KernelSpec, fake_ptr, fake_stream
 
     def build():
@@ -499,9 +609,10 @@ def gemv_spec(k: int, m: int, dtype: str, stages: int | None = None):
             fake_ptr(dt, 2), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int32, 4),
             Int32(1), Int32(1), Int32(32), Int32(1), Int32(0), fake_stream(),
         )  # fmt: skip
-        return GemvKernel(k, m, dt, stages), args
+        return GemvKernel(k, m, dt, stages, lookup, warps_k), args
 
-    suffix = f"_s{stages}" if stages else ""
+    suffix = (f"_s{stages}" if stages else "") + (f"_{lookup}" if lookup else "")
+    suffix += f"_wk{warps_k}" if warps_k else ""
     return KernelSpec(f"gemv_k{k}_m{m}_{dtype}{suffix}", build, expect=("LDGSTS", "HMMA"))
 
 

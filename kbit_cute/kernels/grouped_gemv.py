@@ -65,7 +65,9 @@ class GroupedGemvKernel(GemvKernel):
     """Compile-time config: bits ``k``, activation dtype, ``gate_up`` (fused SiLU(g) * u)."""
 
     def __init__(self, k: int, dtype: type[cutlass.Numeric], gate_up: bool, stages=None):
-        super().__init__(k, ROWS_PER_PASS, dtype, stages)
+        # One column warp per K range (the epilogues assume it); k = 4 shuffles, as the
+        # 64 KB pair table would leave room for two CTAs per SM next to 8-row rings.
+        super().__init__(k, ROWS_PER_PASS, dtype, stages, "shuffle" if k == 4 else None, 1)
         self.gate_up = gate_up
         # Register cap: as many CTAs per SM as the shared-memory rings allow (at most 6),
         # so the compiler keeps each thread to the registers that many CTAs can have.
@@ -356,9 +358,7 @@ def grouped_gemv_spec(k: int, dtype: str, gate_up: bool, stages: int | None = No
 
     kind = "gate_up" if gate_up else "down"
     suffix = f"_s{stages}" if stages else ""
-    return KernelSpec(
-        f"grouped_gemv_{kind}_k{k}_{dtype}{suffix}", build, expect=("LDGSTS", "HMMA")
-    )
+    return KernelSpec(f"grouped_gemv_{kind}_k{k}_{dtype}{suffix}", build, expect=("LDGSTS", "HMMA"))
 
 
 def specs():
