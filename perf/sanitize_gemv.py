@@ -7,17 +7,20 @@ import torch
 
 import kbit_cute
 from kbit_cute import ops
+from perf.gemv_kernel_check import run_gemv
 
 
 def main() -> None:
     K, N = 1056, 1000  # odd shape: N and K padded inside the tiles
     for k in (2, 3, 4, 5):
         qw = kbit_cute.quantize(torch.randn(N, K, device="cuda"), k)
-        for M, dtype in ((1, torch.float16), (3, torch.bfloat16)):
+        for M, dtype in ((1, torch.float16), (3, torch.bfloat16), (8, torch.float16)):
             A = torch.randn(M, K, device="cuda", dtype=dtype)
             out = torch.empty(M, N, device="cuda", dtype=dtype)
             ops._gemv(A, qw, None, out, M, splits=2)
             kbit_cute.dequantize(qw, dtype)
+            if k <= 4:  # the pair-table option, K range over two warp sets
+                run_gemv(A, qw, out, 2, None, "pair_table", 2)
     torch.cuda.synchronize()
     print("sanitize_gemv: done")
 
