@@ -336,6 +336,18 @@ def _prmt_host(a: int, b: int, sel: int) -> int:
     return out
 
 
+# ----------------------------------------------------------------------------- cp.async
+
+
+def g2s_copy_atom(dtype: type[cutlass.Numeric], through_l1: bool = False):
+    """A 16-byte cp.async (global -> shared) copy atom of ``dtype`` elements. Streamed data
+    (weights) bypasses L1; ``through_l1`` keeps it there for data other warps reread."""
+    mode = cute.nvgpu.LoadCacheMode.ALWAYS if through_l1 else cute.nvgpu.LoadCacheMode.GLOBAL
+    return cute.make_copy_atom(
+        cute.nvgpu.cpasync.CopyG2SOp(cache_mode=mode), dtype, num_bits_per_copy=128
+    )
+
+
 # ----------------------------------------------------------------------------- split-K
 
 

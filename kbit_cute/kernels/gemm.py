@@ -45,6 +45,7 @@ from ..format import BLOCK, BLOCKS_PER_TILE_K, TILE_K, TILE_N
 from .device_helpers import (
     CODEBOOK_FACTOR,
     absmax_x2,
+    g2s_copy_atom,
     mul_x2,
     pair_offsets,
     prmt,
@@ -484,16 +485,8 @@ class GemmKernel:
         cfg, plan = self.cfg, self.plan
         tidx, _, _ = cute.arch.thread_idx()
         M, K = mA.shape
-        g2s_w = cute.make_copy_atom(
-            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
-            Int32,
-            num_bits_per_copy=128,
-        )
-        g2s_a = cute.make_copy_atom(
-            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
-            self.dtype,
-            num_bits_per_copy=128,
-        )
+        g2s_w = g2s_copy_atom(Int32)
+        g2s_a = g2s_copy_atom(self.dtype)
         # A: chunks past K are zero-filled (the padded weights there are zero, and A must
         # not be NaN). Every thread's chunks share one chunk column, hence one K check.
         rows_pass = self.a_rows_per_pass()

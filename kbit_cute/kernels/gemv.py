@@ -4,13 +4,15 @@ Decode is bound by streaming W, and the issue rate, not the loads, is what limit
 dequantizing kernel: at 3 TB/s each SM must retire ~22 (k=4) to ~41 (k=2) weights per
 clock with 128 thread-instructions. So the multiply-adds go to ``mma.sync`` m16n8k16 with
 the weights as operand A (16 output columns x 16 K) and the activations as operand B
-(16 K x 8 rows, rows past M unused): the fp32 accumulation is free, and M = 4 costs what
-M = 1 does. What is left per weight is the dequantization into fp16/bf16 pairs:
+(16 K x 8 rows, rows past M unused): the fp32 accumulation is free, and M = 8 costs little
+more than M = 1. What is left per weight is the dequantization into fp16/bf16 pairs:
 
+* each warp streams its 32 columns' K tiles (plane words, absmax, activation rows) through
+  its own shared-memory ring with cp.async, a few tiles ahead, syncing only with itself:
+  bytes in flight cost no registers (``copy_tile`` / ``read_tile``);
 * a thread owns 16 consecutive K of one 32-weight block for 4 columns (two mma row
-  tiles); it loads the columns' bit-plane words straight into registers (no shared-memory
-  tile, no barrier in the main loop), picks its 16-bit half of each plane and merges the
-  planes into index fields SWAR-style (``planes_to_fields``);
+  tiles); it reads the columns' bit-plane words from the ring, picks its 16-bit half of
+  each plane and merges the planes into index fields SWAR-style (``planes_to_fields``);
 * indices become values by byte-select tables in registers (k <= 3, ``prmt``) or a
   warp-shuffle table (k >= 4), two weights per 32-bit register, times the block's absmax
   (one 2-wide multiply; the E4M4 byte becomes a half2 scale with one IMAD, ``absmax_x2``);
@@ -20,9 +22,10 @@ M = 1 does. What is left per weight is the dequantization into fp16/bf16 pairs:
   shared by all columns of the thread).
 
 Grid: (128-column groups = one repack tile, K splits). The 4 warps of a CTA take 32
-columns each. With several splits each CTA writes fp32 partials to a workspace and the
-last CTA of a column group (an atomic counter it resets, so no memset is ever needed)
-sums them in split order: results are bit-identical run to run.
+columns each (times ``warps_k`` warp sets that split the CTA's K range, an option). With
+several splits each CTA writes fp32 partials to a workspace and the last CTA of a column
+group (an atomic counter it resets, so no memset is ever needed) sums them in split order:
+results are bit-identical run to run.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from .device_helpers import (
     codebook_x2_lane,
     codebook_x2_pairs,
     field_bits,
+    g2s_copy_atom,
     mul_x2,
     pair_selector,
     planes_to_fields,
@@ -352,17 +356,9 @@ class GemvKernel:
         lane = cute.arch.lane_idx()
         first_row, n_rows = rows
         M, K = mA.shape
-        g2s = cute.make_copy_atom(
-            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
-            Int32,
-            num_bits_per_copy=128,
-        )
+        g2s = g2s_copy_atom(Int32)
         # Activations: the other warps of the CTA read the same rows, so through L1.
-        g2s_l1 = cute.make_copy_atom(
-            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS),
-            Int32,
-            num_bits_per_copy=128,
-        )
+        g2s_l1 = g2s_copy_atom(Int32, through_l1=True)
         w_first = cute.crd2idx(((in_tile, n_tile), (0, kt), 0), mW.layout)
         w_chunks = WARP_COLS * BLOCKS_PER_TILE_K * k // CHUNK_WORDS
         for i in cutlass.range_constexpr((w_chunks + 31) // 32):
