@@ -369,7 +369,7 @@ def _gemm_impl(A, packed, absmax, codebook, scale, k, N, K, bias=None, out=None)
     """Eager gemm. Inline: the hot path, a planned weight shape on CUDA, with the per-call
     checks in the cheapest order (A's K, dtype and device; the weight's device and sizes;
     bias and out). First calls, every error, the CPU and another current device go through
-    ``_gemm_general``; M > 4 through ``_gemm_large_m``."""
+    ``_gemm_general``; M > GEMV_MAX_M through ``_gemm_large_m``."""
     dev = A.get_device()
     plan = _gemv_plans.get((k, N, K, dev, A.dtype))  # none for the CPU or other dtypes
     shape = A.shape
@@ -560,7 +560,7 @@ def _gemv(A, qw: KbitWeight, bias, out, M: int, splits: int | None = None):
 
 
 def _gemm_large_m(A, packed, absmax, codebook, scale, k, N, K, bias, out):
-    """M > 4: the mma.sync GEMM (deterministic split-K), or from the measured crossover
+    """M > GEMV_MAX_M: the mma.sync GEMM (deterministic split-K), or from the measured crossover
     (``gemm_table.CUBLAS_FROM_M``) dequantize to A's dtype and call cuBLAS."""
     from . import gemm_dispatch
 

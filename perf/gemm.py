@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kbit_cute.ops import _M_BUCKET, GEMV_MAX_M
+
 from . import models
 from .common import EAGER_MAX_CALLS, EAGER_REPEATS, REPEATS, error_text, progress
 from .peers import Impl, make_impls
@@ -131,7 +133,7 @@ def estimate_seconds(shapes, impls, Ms, read_gbs=3000.0, tflops=650.0, l2=50 * 2
     """The cost model of the module docstring, in seconds (a planning number, +-50%)."""
     total = 0.0
     kbit_ks = {i.k for i in impls if i.name == "kbit"}
-    buckets = {1 if M == 1 else 2 if M == 2 else 4 if M <= 4 else 5 for M in Ms}
+    buckets = {_M_BUCKET[M] if M <= GEMV_MAX_M else "gemm" for M in Ms}
     total += 1.2 * len(kbit_ks) * len(buckets)  # kbit compiles
     for spec in shapes:
         K, N = spec.K, spec.N
@@ -144,7 +146,7 @@ def estimate_seconds(shapes, impls, Ms, read_gbs=3000.0, tflops=650.0, l2=50 * 2
             for M in Ms:
                 eff = {"tinygemm": 0.15, "gemlite": 0.6}.get(impl.name, 1.0)
                 mem = (wb + 2 * M * (K + N)) / (read_gbs * 1e3)
-                if impl.name in ("kbit", "bnb") and M > 4:
+                if impl.name in ("kbit", "bnb") and M > GEMV_MAX_M:
                     mem += 2 * 2 * K * N / (read_gbs * 1e3)  # dequantize + cuBLAS path
                 gpu = max(mem, 2 * M * K * N / (tflops * 1e6 * eff)) + 3
                 host = _HOST_US[impl.name]

@@ -1,5 +1,5 @@
-"""Correctness and L2-cold timing of the GEMV kernel alone, with explicit split counts and
-register-ring depths (no dispatch rule): ``python -m perf.gemv_kernel_check``.
+"""Correctness and L2-cold timing of the GEMV kernel alone, with explicit split counts, ring
+depths and lookup variants (no dispatch rule): ``python -m perf.gemv_kernel_check``.
 
 For kernel work: it checks every k x dtype x M on a few shapes (odd ones included, with
 and without split-K) against the float32 reference, then times the large shapes for a
@@ -18,7 +18,7 @@ from tabulate import tabulate
 from kbit_cute.compile import launcher
 from kbit_cute.format import dequantize as dequantize_reference
 from kbit_cute.format import quantize
-from kbit_cute.kernels.gemv import COLS_PER_GROUP, gemv_spec
+from kbit_cute.kernels.gemv import COLS_PER_GROUP, GemvKernel, gemv_spec
 from kbit_cute.ops import _M_BUCKET
 from perf.common import copies_for, graph_time_us, read_bandwidth_gbs
 
@@ -42,11 +42,6 @@ def run_gemv(A, qw, out, splits, stages=None, lookup=None, warps_k=None):
        M, qw.N, qw.K, splits, 0)  # fmt: skip
 
 
-def _lookup_fits(lookup: str, k: int) -> bool:
-    """Which lookups a k can take (pair shuffles need 2-bit, pair tables <= 4-bit fields)."""
-    return {"pair_shuffle": k == 2, "pair_table": k <= 4, "byte_tables": k <= 3}.get(lookup, True)  # noqa
-
-
 def check(variants=((None, None),)) -> list:
     rows, bad = [], 0
     for K, N in [(2048, 512), (512, 2048), (1056, 1000), (4096, 2048), (160, 200)]:
@@ -56,7 +51,7 @@ def check(variants=((None, None),)) -> list:
             for dtype in (torch.float16, torch.bfloat16):
                 for M in (1, 2, 3, 4, 5, 8):
                     for splits, (lk, wk) in [(s, v) for s in (1, 3) for v in variants]:
-                        if lk and not _lookup_fits(lk, k):
+                        if lk and not GemvKernel.lookup_fits(lk, k):
                             continue
                         A = torch.randn(M, K, device="cuda", dtype=dtype)
                         out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
@@ -115,7 +110,7 @@ def bench(split_options, ks, Ms, shapes, stage_options=(None,), variants=((None,
                     (s, st, v) for s in split_options for st in stage_options for v in variants
                 ]
                 for splits, st, (lk, wk) in combos:
-                    if lk and not _lookup_fits(lk, k):
+                    if lk and not GemvKernel.lookup_fits(lk, k):
                         continue
                     t = graph_time_us(
                         lambda i, A=A, out=out, s=splits, st=st, lk=lk, wk=wk: (

@@ -69,7 +69,7 @@ def test_gemv_leading_dims_and_bias(dtype, weights):
 
 def test_gemv_alternating_shapes_match_fresh_calls(weights):
     """Split-K workspace and counters stay right across calls of different shapes and M."""
-    ks, ms = [2, 5, 3, 4, 4, 2, 5], [1, 4, 2, 3, 1, 4, 2]
+    ks, ms = [2, 5, 3, 4, 4, 2, 5], [1, 4, 2, 8, 3, 5, 2]
     cases = [(K, N, k, M) for (K, N), k, M in zip(SHAPES, ks, ms, strict=True)]
     inputs = {c: torch.randn(c[3], c[0], device="cuda", dtype=torch.float16) for c in cases}
     fresh = {c: kbit_cute.gemm(inputs[c], weights[c[:3]]).clone() for c in cases}

@@ -1,4 +1,5 @@
-"""GEMM for M >= 5 with mma.sync: out[M, N] = A[M, K] @ W^T, W in the tiled kbit format.
+"""GEMM for M >= 5 (``kbit_cute.gemm`` sends it M > 8) with mma.sync: out[M, N] = A[M, K] @
+W^T, W in the tiled kbit format.
 
 Mainloop (after the CUTLASS Ampere multistage GEMM, tensorop_gemm.py): a CTA owns a
 TILE_M x TILE_N output tile and a contiguous range of TILE_K slices of K (split-K).

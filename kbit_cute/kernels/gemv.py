@@ -117,6 +117,8 @@ class GemvKernel:
         # table halves the warps per SM: it measured equal at k = 4, 10% faster at k = 3
         # on 8192x28672 and slower on small shapes (perf/NOTES.md).
         self.lookup = lookup or LOOKUP[k]
+        if not GemvKernel.lookup_fits(self.lookup, k):
+            raise ValueError(f"GEMV lookup {self.lookup!r} does not serve k={k}")
         self.byte_tables = self.lookup == "byte_tables"
         self.field_width = field_bits(k, 4 if self.lookup in ("byte_tables", "pair_table") else 1)
         # Warps per CTA: 4 column warps (one repack tile), times warps_k that split the
@@ -125,6 +127,13 @@ class GemvKernel:
         self.warps_k = warps_k or (2 if self.lookup == "pair_table" else 1)
         self.warps = WARPS * self.warps_k
         self.threads = 32 * self.warps
+
+    @staticmethod
+    def lookup_fits(lookup: str, k: int) -> bool:
+        """Whether a lookup serves k: a pair shuffle needs 2-bit fields, byte tables <= 8
+        entries, the pair table two fields per byte (k <= 4); shuffles serve every k."""
+        limits = {"pair_shuffle": 2, "byte_tables": 3, "pair_table": 4, "shuffle": 5}
+        return lookup in limits and k <= limits[lookup]
 
     @staticmethod
     def can_implement(k: int, m: int, dtype) -> bool:
@@ -363,18 +372,12 @@ class GemvKernel:
         w_chunks = WARP_COLS * BLOCKS_PER_TILE_K * k // CHUNK_WORDS
         for i in cutlass.range_constexpr((w_chunks + 31) // 32):
             c = lane + 32 * i
-            if cutlass.const_expr(32 * (i + 1) <= w_chunks):
-                _copy_chunk(
-                    g2s,
-                    mW.iterator + cute.assume(w_first + c * 4, divby=4),
-                    dst + cute.assume(c * 4, divby=4),
-                )
+            src = mW.iterator + cute.assume(w_first + c * 4, divby=4)
+            chunk_dst = dst + cute.assume(c * 4, divby=4)
+            if cutlass.const_expr(32 * (i + 1) <= w_chunks):  # every lane has a chunk
+                _copy_chunk(g2s, src, chunk_dst)
             elif c < w_chunks:
-                _copy_chunk(
-                    g2s,
-                    mW.iterator + cute.assume(w_first + c * 4, divby=4),
-                    dst + cute.assume(c * 4, divby=4),
-                )
+                _copy_chunk(g2s, src, chunk_dst)
         s_first = cute.crd2idx(((in_tile, n_tile), (0, kt)), mS.layout)
         s_dst = dst + 4 * w_chunks
         if lane < ABSMAX_WORDS // CHUNK_WORDS:

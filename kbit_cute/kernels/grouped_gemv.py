@@ -2,8 +2,8 @@
 
 ``out[rows of e] = A[rows of e] @ W_e^T`` for the E stacked weights of a ``KbitExperts``,
 rows sorted by expert, ``expert_offsets`` [E + 1] on the device. The per-expert work is the
-GEMV's (``GemvKernel``: weights as the mma's operand A, dequantized in registers, a register
-ring of K tiles in flight); what this module adds is the work list and the epilogues:
+GEMV's (``GemvKernel``: weights as the mma's operand A, dequantized in registers, a per-warp
+shared-memory ring of K tiles in flight); what this module adds is the work list and the epilogues:
 
 * Work items: grid (column group, K split, slot). Slot s is the s-th expert that has rows;
   each CTA finds its expert by scanning the offsets (one round of loads that hit L2, a
@@ -46,7 +46,8 @@ from .gemv import (
 ROWS_PER_PASS = MMA_N  # activation rows per mma: rows of an expert handled per K pass
 GATE_UP_COLS = COLS_PER_GROUP // 2  # outputs per CTA of the fused gate/up kernel
 _LOG2_E = 1.4426950408889634
-SMEM_PER_SM = 227 * 1024  # H100 / A100 shared memory a kernel may use per SM
+# Shared memory a kernel may use per SM (H100: 227 KB, A100: 163 KB), by target family.
+SMEM_PER_SM = {"sm_90": 227 * 1024, "sm_80": 163 * 1024}
 SCAN_PER_THREAD = 4  # experts each thread checks per round of the slot -> expert scan
 
 
@@ -65,19 +66,17 @@ class GroupedGemvKernel(GemvKernel):
     """Compile-time config: bits ``k``, activation dtype, ``gate_up`` (fused SiLU(g) * u)."""
 
     def __init__(self, k: int, dtype: type[cutlass.Numeric], gate_up: bool, stages=None):
-        # One column warp per K range (the epilogues assume it); k = 4 shuffles, as the
-        # 64 KB pair table would leave room for two CTAs per SM next to 8-row rings.
-        super().__init__(k, ROWS_PER_PASS, dtype, stages, "shuffle" if k == 4 else None, 1)
+        # The GEMV's default lookup, one warp set per column warp (the epilogues assume it).
+        super().__init__(k, ROWS_PER_PASS, dtype, stages, warps_k=1)
         self.gate_up = gate_up
-        # Register cap: as many CTAs per SM as the shared-memory rings allow (at most 6),
-        # so the compiler keeps each thread to the registers that many CTAs can have.
-        ring_bytes = 4 * self.stage_words() * self.stages * WARPS
-        epilogue_bytes = 4 * ROWS_PER_PASS * (COLS_PER_GROUP + 4) + 64
-        # (sm_80's code for the gate/up epilogue needs more than 85 registers: 5 there.)
+        # Register cap: as many CTAs per SM as the shared-memory rings allow on the target
+        # (at most 6), so the compiler keeps each thread to what that many CTAs can have.
         from ..compile import target_arch
 
-        most = 6 if target_arch().startswith("sm_9") else 5
-        self.min_ctas_per_sm = max(1, min(most, SMEM_PER_SM // (ring_bytes + epilogue_bytes)))
+        ring_bytes = 4 * self.stage_words() * self.stages * WARPS
+        epilogue_bytes = 4 * ROWS_PER_PASS * (COLS_PER_GROUP + 4) + 64
+        smem = SMEM_PER_SM.get(target_arch()[:5], SMEM_PER_SM["sm_80"])
+        self.min_ctas_per_sm = max(1, min(6, smem // (ring_bytes + epilogue_bytes)))
 
     @cute.jit
     def __call__(
