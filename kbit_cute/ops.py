@@ -228,18 +228,19 @@ def _(packed, absmax, codebook, scale, k, N, K, dtype, out):
 # ============================================================================ gemm
 
 GEMV_MAX_M = 8  # the GEMV's mma has 8 activation columns; larger M goes to the GEMM
-_COLS_PER_GROUP = 64
 _M_BUCKET = (0, 1, 2, 4, 4, 8, 8, 8, 8)  # M -> the compiled rows bucket of the GEMV
 
 
 def gemv_splits(N: int, K: int, sm_count: int, m: int = 1) -> int:
-    """K splits for the GEMV's 128-column CTAs (a power of two, at most 16).
+    """Stream-K workers per column tile of the GEMV (a power of two, at most 16): each
+    tile's K range in that many equal runs, so that no run crosses a column tile (a run
+    that does pays a pipeline drain and refill at the crossing: slower, measured).
 
-    From an H100 sweep of splits 1..16 (``python -m perf.gemv_kernel_check --splits 1 2 4 8
-    16``, 2026-11-22): shapes with many column tiles want long CTAs (>= 16 K tiles each)
-    and about 6 CTAs per SM in all; shapes with few column tiles are latency-bound and
-    want up to 16 splits of >= 4 K tiles. With M > 2 the split-K reduction costs more, and
-    half as many splits measured best where the split count comes from few column tiles.
+    From an H100 sweep of splits 1..16 (``python -m perf.gemv_kernel_check``, 2026-11-22):
+    shapes with many column tiles want long runs (>= 16 K tiles each) and about 6 runs per
+    SM in all; shapes with few column tiles are latency-bound and want up to 16 runs of
+    >= 4 K tiles. With M > 2 the reduction costs more, and half as many splits measured
+    best where the split count comes from few column tiles.
     """
     n_tiles = -(-N // 128)
     k_tiles = -(-K // 64)
@@ -248,6 +249,30 @@ def gemv_splits(N: int, K: int, sm_count: int, m: int = 1) -> int:
     if m > 2 and n_tiles < 64:
         want //= 2
     return 1 << (max(want, 1).bit_length() - 1)
+
+
+def gemv_grid(k: int, m_bucket: int, dtype: torch.dtype, N: int, K: int, sm_count: int,
+              workers: int | None = None) -> tuple[int, int]:  # fmt: skip
+    """(workers, CTAs) of the GEMV variant (k, m bucket, dtype) on a weight [N, K]."""
+    from .kernels.gemv import _DTYPES, GemvKernel
+
+    kernel = GemvKernel(k, m_bucket, _DTYPES[_GEMV_DTYPES[dtype]])
+    return kernel_grid(kernel, N, K, sm_count, workers)
+
+
+def kernel_grid(kernel, N: int, K: int, sm_count: int, workers: int | None = None):
+    """(workers, CTAs) of a ``GemvKernel``: column tiles x ``gemv_splits`` workers unless
+    given, as many splits as fit the resident quads (one wave; the kernel's CTAs per SM
+    come from its CTA size, registers and shared memory)."""
+    slots = sm_count * kernel.ctas_per_sm
+    n_tiles = -(-N // 128)
+    units = n_tiles * -(-K // 64)
+    if not workers:
+        splits = gemv_splits(N, K, sm_count, kernel.m)
+        workers = n_tiles * max(1, min(splits, slots * kernel.quads // n_tiles))
+    workers = min(workers, units)
+    # Quads of a CTA take workers ctas apart: one CTA per slot, or as few as hold them all.
+    return workers, max(-(-workers // kernel.quads), min(workers, slots))
 
 
 def _pow2(n: int) -> int:
@@ -291,10 +316,10 @@ def _split_scratch(dev: int, stream: int, ws_elems: int, groups: int):
 class _GemvPlan:
     """One weight shape (k, N, K) for one activation dtype on one CUDA device, made by the
     first call (which checks the weight's tensors in full): the sizes the hot path re-checks,
-    per M in 1..8 the launch function and split count (on first use of that M), and per
+    per M in 1..8 the launch function (on first use of that M) and stream-K grid, and per
     stream split-K scratch big enough for every M."""
 
-    __slots__ = ("k", "N", "K", "dtype", "words", "codes", "bias_shape", "groups", "splits")
+    __slots__ = ("k", "N", "K", "dtype", "words", "codes", "bias_shape", "strips", "grids")
     __slots__ += ("ws_elems", "by_m", "scratch")
 
     def __init__(self, k: int, N: int, K: int, dtype: torch.dtype, sm_count: int):
@@ -302,20 +327,25 @@ class _GemvPlan:
         self.words = tiled_sizes(k, N, K)[0]
         self.codes = 1 << k
         self.bias_shape = torch.Size((N,))
-        self.groups = -(-N // 128) * 2
-        small, large = gemv_splits(N, K, sm_count), gemv_splits(N, K, sm_count, m=4)
-        self.splits = (0, small, small) + (large,) * (GEMV_MAX_M - 2)
-        per_group = max(self.splits[m] * _M_BUCKET[m] for m in range(1, GEMV_MAX_M + 1))
-        self.ws_elems = per_group * self.groups * _COLS_PER_GROUP
-        self.by_m: list[tuple[object, int] | None] = [None] * (GEMV_MAX_M + 1)
+        self.strips = -(-N // 128) * 4  # split-K counters: one per 32-column strip
+        # (workers, ctas) per rows bucket
+        self.grids = {m: gemv_grid(k, m, dtype, N, K, sm_count) for m in set(_M_BUCKET[1:])}
+        self.ws_elems = max(_ws_elems(w, m) for m, (w, _) in self.grids.items())
+        self.by_m: list[tuple[object, int, int] | None] = [None] * (GEMV_MAX_M + 1)
         self.scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def entry(self, M: int) -> tuple[object, int]:
-        """(launch function, splits) for M rows, loading the variant on first use."""
+    def entry(self, M: int) -> tuple[object, int, int]:
+        """(launch function, workers, CTAs) for M rows, loading the variant on first use."""
         got = self.by_m[M]
         if got is None:
-            got = self.by_m[M] = (_gemv_launcher(self.k, _M_BUCKET[M], self.dtype), self.splits[M])
+            m = _M_BUCKET[M]
+            got = self.by_m[M] = (_gemv_launcher(self.k, m, self.dtype), *self.grids[m])
         return got
+
+
+def _ws_elems(workers: int, m_bucket: int) -> int:
+    """fp32 workspace of the GEMV: two partial strips (128 columns x m rows) per worker."""
+    return 2 * workers * m_bucket * 128
 
 
 # (k, N, K, device, A's dtype) -> plan; made only for CUDA devices and fp16/bf16
@@ -406,17 +436,18 @@ def _gemm_impl(A, packed, absmax, codebook, scale, k, N, K, bias=None, out=None)
     stream = _raw_stream(dev)
     scratch = plan.scratch.get(stream)
     if scratch is None:
-        scratch = plan.scratch[stream] = _split_scratch(dev, stream, plan.ws_elems, plan.groups)
+        scratch = plan.scratch[stream] = _split_scratch(dev, stream, plan.ws_elems, plan.strips)
     if not A.is_contiguous():
         A = A.contiguous()
-    fn, splits = entry
+    fn, workers, ctas = entry
     try:
         fn(
             A, packed, absmax, codebook, scale, out if bias is None else bias, out, scratch[0],
-            scratch[1], M, N, K, splits, 0 if bias is None else 1, stream,
+            scratch[1], M, N, K, workers, ctas, 0 if bias is None else 1, stream,
         )  # fmt: skip
     except MisalignedError:
-        args = (packed, absmax, codebook, scale, bias, out, scratch, M, N, K, splits, stream)
+        grid = (workers, ctas)
+        args = (packed, absmax, codebook, scale, bias, out, scratch, M, N, K, grid, stream)
         _launch_gemv(fn, A.clone(memory_format=torch.contiguous_format), *args)
     return out
 
@@ -510,53 +541,54 @@ def _plan(packed, absmax, codebook, scale, k, N, K, dev: int, dtype) -> _GemvPla
     return plan
 
 
-def _gemv_launch(A, packed, absmax, codebook, scale, k, N, K, bias, out, M, splits, dev):
+def _gemv_launch(A, packed, absmax, codebook, scale, k, N, K, bias, out, M, workers, dev):
     """The GEMV on checked CUDA arguments with a plan, off the hot path: the first launch
-    of an M, a device other than the current one, an explicit split count."""
+    of an M, a device other than the current one, an explicit worker count."""
     if dev != _current_device():
         with torch.cuda.device(dev):
             return _gemv_launch(
-                A, packed, absmax, codebook, scale, k, N, K, bias, out, M, splits, dev
+                A, packed, absmax, codebook, scale, k, N, K, bias, out, M, workers, dev
             )
     plan = _gemv_plans[(k, N, K, dev, A.dtype)]
-    fn, plan_splits = plan.entry(M)
-    splits = splits or plan_splits
+    fn, plan_workers, ctas = plan.entry(M)
+    grid = (plan_workers, ctas)
+    if workers:
+        sm_count = _device.check_device(dev).sm_count
+        grid = gemv_grid(k, _M_BUCKET[M], A.dtype, N, K, sm_count, workers)
     stream = _raw_stream(dev)
-    scratch = _split_scratch(
-        dev, stream, splits * _M_BUCKET[M] * plan.groups * _COLS_PER_GROUP, plan.groups
-    )
+    scratch = _split_scratch(dev, stream, _ws_elems(grid[0], _M_BUCKET[M]), plan.strips)
     if not A.is_contiguous():
         A = A.contiguous()
     try:
         _launch_gemv(
-            fn, A, packed, absmax, codebook, scale, bias, out, scratch, M, N, K, splits, stream
+            fn, A, packed, absmax, codebook, scale, bias, out, scratch, M, N, K, grid, stream
         )
     except MisalignedError:
         # A view that does not start on a 16-byte boundary (the other pointers are ours or
         # only need element alignment): copy it to fresh storage and launch again.
         A = A.clone(memory_format=torch.contiguous_format)
         _launch_gemv(
-            fn, A, packed, absmax, codebook, scale, bias, out, scratch, M, N, K, splits, stream
+            fn, A, packed, absmax, codebook, scale, bias, out, scratch, M, N, K, grid, stream
         )
     return out
 
 
 def _launch_gemv(
-    fn, A, packed, absmax, codebook, scale, bias, out, scratch, M, N, K, splits, stream
+    fn, A, packed, absmax, codebook, scale, bias, out, scratch, M, N, K, grid, stream
 ):
     has_bias = bias is not None
     fn(
         A, packed, absmax, codebook, scale, bias if has_bias else out, out, scratch[0],
-        scratch[1], M, N, K, splits, int(has_bias), stream,
+        scratch[1], M, N, K, *grid, int(has_bias), stream,
     )  # fmt: skip
 
 
-def _gemv(A, qw: KbitWeight, bias, out, M: int, splits: int | None = None):
-    """The GEMV on CUDA tensors with an explicit split count (benchmarks, tests)."""
+def _gemv(A, qw: KbitWeight, bias, out, M: int, workers: int | None = None):
+    """The GEMV on CUDA tensors with an explicit stream-K worker count (benchmarks, tests)."""
     dev = A.get_device()
     _plan(qw.packed, qw.absmax, qw.codebook, qw.scale, qw.k, qw.N, qw.K, dev, A.dtype)
     args = (A, qw.packed, qw.absmax, qw.codebook, qw.scale, qw.k, qw.N, qw.K, bias, out, M)
-    return _gemv_launch(*args, splits, dev)
+    return _gemv_launch(*args, workers, dev)
 
 
 def _gemm_large_m(A, packed, absmax, codebook, scale, k, N, K, bias, out):

@@ -33,7 +33,7 @@ QWEN3_CODER_NEXT = [
 ]
 
 
-def bench_shape(K: int, N: int, ks, Ms, ctas_options, bw: float, rows: list, records: list):
+def bench_shape(K: int, N: int, ks, Ms, worker_options, bw: float, rows: list, records: list):
     dtype = torch.float16
     W = torch.randn(N, K, device="cuda", dtype=dtype) * 0.02
     # cuBLAS fp16
@@ -67,19 +67,15 @@ def bench_shape(K: int, N: int, ks, Ms, ctas_options, bw: float, rows: list, rec
                 )
                 for _ in range(nq)
             ]
-            default = ops.gemv_splits(
-                N, K, torch.cuda.get_device_properties(0).multi_processor_count
-            )
-            for ctas in ctas_options:
-                splits = ctas or default  # --splits overrides the dispatch rule
-                t = graph_time_us(lambda i: lambda: ops._gemv(A, qws[i], None, out, M, splits), nq)
+            for workers in worker_options:  # 0: the dispatch rule's grid
+                t = graph_time_us(lambda i: lambda: ops._gemv(A, qws[i], None, out, M, workers), nq)
                 floor_us = qw.nbytes / (bw * 1e3)
                 gbs = qw.nbytes / (t * 1e3)
-                rec = dict(K=K, N=N, k=k, M=M, ctas_per_sm=ctas, splits=splits, us=t, gbs=gbs,
+                rec = dict(K=K, N=N, k=k, M=M, workers=workers, us=t, gbs=gbs,
                            pct_bw=100 * gbs / bw, floor_us=floor_us, cublas_us=t_cublas, tinygemm=tiny,
                            speedup=t_cublas / t)  # fmt: skip
                 records.append(rec)
-                rows.append([f"{K}x{N}", k, M, ctas, splits, f"{t:.1f}", f"{floor_us:.1f}", f"{gbs:.0f}",
+                rows.append([f"{K}x{N}", k, M, workers or "rule", f"{t:.1f}", f"{floor_us:.1f}", f"{gbs:.0f}",
                              f"{100 * gbs / bw:.0f}%", f"{t_cublas:.1f}", tiny, f"{t_cublas / t:.2f}x"])  # fmt: skip
 
 
@@ -105,8 +101,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--k", type=int, nargs="+", default=[2, 3, 4, 5])
     p.add_argument("--m", type=int, nargs="+", default=[1, 4])
-    p.add_argument("--splits", dest="ctas", type=int, nargs="+", default=[0],
-                   help="K splits to time (default: the dispatch rule's choice)")  # fmt: skip
+    p.add_argument("--workers", type=int, nargs="+", default=[0],
+                   help="stream-K workers to time (default 0: the dispatch rule's choice)")  # fmt: skip
     p.add_argument("--shapes", default="all", choices=["all", "large", "qwen"])
     p.add_argument("--json", default=os.environ.get("OUT", ".") + "/bench_gemv.json")
     args = p.parse_args()
@@ -116,7 +112,7 @@ def main() -> None:
     ]
     rows, records = [], []
     for K, N in shapes:
-        bench_shape(K, N, args.k, args.m, args.ctas, bw, rows, records)
+        bench_shape(K, N, args.k, args.m, args.workers, bw, rows, records)
     host, host_linear = host_overhead_us()
     with open(args.json, "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), read_gbs=bw, host_us=host,
@@ -127,7 +123,7 @@ def main() -> None:
     print(
         f"host time per eager call (M=1, tiny shape): kbit_cute.gemm {host:.1f} us, F.linear {host_linear:.1f} us"
     )
-    print(tabulate(rows, tablefmt="github", headers=["KxN", "k", "M", "ctas/SM", "splits", "us", "floor us",
+    print(tabulate(rows, tablefmt="github", headers=["KxN", "k", "M", "workers", "us", "floor us",
                                                      "GB/s", "% BW", "cuBLAS us", "tinygemm us", "vs cuBLAS"]))  # fmt: skip
 
 

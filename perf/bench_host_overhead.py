@@ -73,7 +73,7 @@ def gpu_rows(K: int, N: int, k: int, dtype: torch.dtype) -> list[tuple[str, floa
     spec = gemv_spec(k, 1, "f16" if dtype == torch.float16 else "bf16")
     raw = kc.launcher(spec)
     raw_args = (A, qw.packed, qw.absmax, qw.codebook, qw.scale, out, out, ws, cnt)
-    raw_args += (1, N, K, plan.splits[1], 0)
+    raw_args += (1, N, K, *plan.grids[1], 0)
     stream = torch.cuda.current_stream().cuda_stream
     # The bare FFI function with the pointers read beforehand: the floor under any launcher.
     _, ffi = kc._load(spec)

@@ -18,8 +18,8 @@ from tabulate import tabulate
 from kbit_cute.compile import launcher
 from kbit_cute.format import dequantize as dequantize_reference
 from kbit_cute.format import quantize
-from kbit_cute.kernels.gemv import COLS_PER_GROUP, GemvKernel, gemv_spec
-from kbit_cute.ops import _M_BUCKET
+from kbit_cute.kernels.gemv import _DTYPES, COLS_PER_GROUP, GemvKernel, gemv_spec
+from kbit_cute.ops import _M_BUCKET, kernel_grid
 from perf.common import copies_for, graph_time_us, read_bandwidth_gbs
 
 _NAMES = {torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -27,19 +27,38 @@ _ws = torch.empty(0)
 _counters = torch.empty(0)
 
 
-def run_gemv(A, qw, out, splits, stages=None, lookup=None, warps_k=None):
-    """One GEMV launch with an explicit split count and kernel variant (ring depth, lookup,
-    K warps; through the library's launcher; the workspace is this script's own)."""
+def grid_for(qw, M, dtype, workers, stages=None, lookup=None, quads=None) -> tuple[int, int]:
+    """(workers, CTAs) of a variant: ``workers`` an int, "auto" (the library's rule), "sN"
+    (column tiles x N: an N-way split-K) or "fF" (F x the variant's resident quads)."""
+    kern = GemvKernel(qw.k, _M_BUCKET[M], _DTYPES[_NAMES[dtype]], stages, lookup, quads)
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    w = str(workers)
+    if w == "auto":
+        n = None
+    elif w.startswith("s"):
+        n = -(-qw.N // COLS_PER_GROUP) * int(w[1:])
+    elif w.startswith("f"):
+        n = max(1, int(float(w[1:]) * sm_count * kern.ctas_per_sm * kern.quads))
+    else:
+        n = int(w)
+    return kernel_grid(kern, qw.N, qw.K, sm_count, n)
+
+
+def run_gemv(A, qw, out, workers="auto", stages=None, lookup=None, quads=None):
+    """One GEMV launch with an explicit stream-K grid (``grid_for``) and kernel variant (ring
+    depth, lookup, quads per CTA) through the library's launcher; the workspace is this
+    script's own."""
     global _ws, _counters
     M = A.shape[0]
     m = _M_BUCKET[M]
-    fn = launcher(gemv_spec(qw.k, m, _NAMES[A.dtype], stages, lookup, warps_k))
-    need = splits * m * -(-qw.N // COLS_PER_GROUP) * COLS_PER_GROUP
+    fn = launcher(gemv_spec(qw.k, m, _NAMES[A.dtype], stages, lookup, quads))
+    n, ctas = grid_for(qw, M, A.dtype, workers, stages, lookup, quads)
+    need = 2 * n * m * COLS_PER_GROUP
     if _ws.numel() < need or _ws.device.type != "cuda":
         _ws = torch.empty(max(need, 1 << 22), device="cuda")
         _counters = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
     fn(A, qw.packed, qw.absmax, qw.codebook, qw.scale, out, out, _ws, _counters,
-       M, qw.N, qw.K, splits, 0)  # fmt: skip
+       M, qw.N, qw.K, n, ctas, 0)  # fmt: skip
 
 
 def check(variants=((None, None),)) -> list:
@@ -50,7 +69,7 @@ def check(variants=((None, None),)) -> list:
             W = dequantize_reference(qw, torch.float32)
             for dtype in (torch.float16, torch.bfloat16):
                 for M in (1, 2, 3, 4, 5, 8):
-                    for splits, (lk, wk) in [(s, v) for s in (1, 3) for v in variants]:
+                    for splits, (lk, wk) in [(s, v) for s in ("s1", "s3", "auto", 7) for v in variants]:
                         if lk and not GemvKernel.lookup_fits(lk, k):
                             continue
                         A = torch.randn(M, K, device="cuda", dtype=dtype)
@@ -62,7 +81,7 @@ def check(variants=((None, None),)) -> list:
                         tol = 1e-3 if dtype == torch.float16 else 8e-3
                         ok = not nan and err < tol
                         bad += not ok
-                        if not ok or (M == 4 and splits == 3 and K == 1056):
+                        if not ok or (M == 4 and splits == "s3" and K == 1056):
                             rows.append(
                                 [
                                     f"{K}x{N}",
@@ -77,7 +96,7 @@ def check(variants=((None, None),)) -> list:
                                     ok,
                                 ]
                             )
-    print(tabulate(rows, headers=["KxN", "k", "dtype", "M", "splits", "lookup", "wk", "rel err", "nan", "ok"],
+    print(tabulate(rows, headers=["KxN", "k", "dtype", "M", "workers", "lookup", "quads", "rel err", "nan", "ok"],
                    tablefmt="github"))  # fmt: skip
     print(f"correctness: {bad} failures")
     return rows
@@ -119,27 +138,28 @@ def bench(split_options, ks, Ms, shapes, stage_options=(None,), variants=((None,
                         nq,
                     )
                     gbs = qw.nbytes / (t * 1e3)
-                    recs.append(dict(K=K, N=N, k=k, M=M, splits=splits, stages=st, lookup=lk,
-                                     warps_k=wk, us=t, pct=100 * gbs / bw, cublas=t_cublas[M]))  # fmt: skip
+                    recs.append(dict(K=K, N=N, k=k, M=M, workers=splits, stages=st, lookup=lk,
+                                     quads=wk, us=t, pct=100 * gbs / bw, cublas=t_cublas[M]))  # fmt: skip
                     rows.append([f"{K}x{N}", k, M, splits, st, f"{lk or ''}/{wk or ''}", f"{t:.1f}", f"{qw.nbytes / bw / 1e3:.1f}",
                                  f"{100 * gbs / bw:.0f}%", f"{t_cublas[M]:.1f}", f"{t_cublas[M] / t:.2f}x"])  # fmt: skip
 
     print(f"read bandwidth {bw:.0f} GB/s")
-    print(tabulate(rows, headers=["KxN", "k", "M", "splits", "stages", "lookup/wk", "us", "floor us", "% BW", "cuBLAS us",
+    print(tabulate(rows, headers=["KxN", "k", "M", "workers", "stages", "lookup/quads", "us", "floor us", "% BW", "cuBLAS us",
                                   "vs cuBLAS"], tablefmt="github"))  # fmt: skip
     return recs
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 4])
+    p.add_argument("--workers", nargs="+", default=["auto"],
+                   help="stream-K workers: N, auto, sN (N-way split-K), fF (F x slots)")  # fmt: skip
     p.add_argument("--k", type=int, nargs="+", default=[2, 3, 4, 5])
     p.add_argument("--m", type=int, nargs="+", default=[1, 4])
     p.add_argument("--shapes", default="8192x28672,4096x14336,14336x4096")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--stages", type=int, nargs="+", default=[None])
     p.add_argument("--variants", nargs="+", default=["default"],
-                   help="lookup/warps_k pairs, e.g. pair_table/2 shuffle/1 default")  # fmt: skip
+                   help="lookup/quads pairs, e.g. pair_table/8 shuffle/1 default")  # fmt: skip
     args = p.parse_args()
     variants = []
     for v in args.variants:
@@ -148,7 +168,7 @@ def main() -> None:
     if not args.no_check:
         check(variants)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
-    recs = bench(args.splits, args.k, args.m, shapes, args.stages, variants)
+    recs = bench(args.workers, args.k, args.m, shapes, args.stages, variants)
     with open(os.path.join(os.environ.get("OUT", "."), "gemv_kernel_check.json"), "w") as f:
         json.dump(recs, f)
 

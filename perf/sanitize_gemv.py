@@ -1,4 +1,5 @@
-"""One GEMV call per k (split-K on, so workspace and counters are exercised), for
+"""One GEMV call per k (stream-K runs that end inside column tiles, so workspace and
+counters are exercised), for
 ``compute-sanitizer --tool memcheck|racecheck python -m perf.sanitize_gemv``."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ import torch
 
 import kbit_cute
 from kbit_cute import ops
+from kbit_cute.kernels.gemv import LOOKUP
 from perf.gemv_kernel_check import run_gemv
 
 
@@ -17,10 +19,10 @@ def main() -> None:
         for M, dtype in ((1, torch.float16), (3, torch.bfloat16), (8, torch.float16)):
             A = torch.randn(M, K, device="cuda", dtype=dtype)
             out = torch.empty(M, N, device="cuda", dtype=dtype)
-            ops._gemv(A, qw, None, out, M, splits=2)
+            ops._gemv(A, qw, None, out, M, workers=13)  # partial strips: the reduction runs
             kbit_cute.dequantize(qw, dtype)
-            if k <= 4:  # the pair-table option, K range over two warp sets
-                run_gemv(A, qw, out, 2, None, "pair_table", 2)
+            if k <= 4:  # the register lookup of single-quad CTAs (the grouped kernel's)
+                run_gemv(A, qw, out, 13, None, LOOKUP[k], 1)
     torch.cuda.synchronize()
     print("sanitize_gemv: done")
 

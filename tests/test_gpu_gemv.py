@@ -78,15 +78,19 @@ def test_gemv_alternating_shapes_match_fresh_calls(weights):
             assert torch.equal(kbit_cute.gemm(inputs[c], weights[c[:3]]), fresh[c]), c
 
 
-@pytest.mark.parametrize("splits", [1, 3, 16])
-def test_gemv_split_k_is_deterministic(splits, weights):
+@pytest.mark.parametrize("workers", [1, 5, 16, 37, 1000])
+def test_gemv_stream_k_is_deterministic(workers, weights):
+    """Any stream-K grid: one worker for all (whole strips only), runs over several column
+    tiles with partial ends (5), one per column tile (16: no partials), partial strips
+    summed from 3 (37) or 63 (1000) workers; bit-identical run to run."""
     K, N, k = 5120, 2048, 4
     qw = weights[(K, N, k)]
     A = torch.randn(4, K, device="cuda", dtype=torch.bfloat16)
-    first = ops._gemv(A, qw, None, torch.empty(4, N, device="cuda", dtype=A.dtype), 4, splits)
+    out = torch.full((4, N), float("nan"), device="cuda", dtype=A.dtype)
+    first = ops._gemv(A, qw, None, out, 4, workers).clone()
     assert rel_err(first, reference(A, qw)) < TOL[torch.bfloat16]
     for _ in range(5):
-        again = ops._gemv(A, qw, None, torch.empty_like(first), 4, splits)
+        again = ops._gemv(A, qw, None, out.fill_(float("nan")), 4, workers)
         assert torch.equal(again, first)
 
 
@@ -113,24 +117,17 @@ def test_gemv_under_cuda_graph(weights):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("workers", ["s1", 13])
 @pytest.mark.parametrize("k", [2, 3, 4])
-def test_gemv_pair_table_option(k, splits, dtype, weights):
-    """The shared-memory pair-table lookup with the CTA's K range over two warp sets (a tuning
-    option of GemvKernel, not the default of any k) against the reference."""
-    from kbit_cute.compile import launcher
-    from kbit_cute.kernels.gemv import gemv_spec
+def test_gemv_pair_table_option(k, workers, dtype, weights):
+    """The shared-memory pair-table lookup, 8 stream-K quads per CTA sharing one table (a
+    tuning option of GemvKernel, not the default of any k), against the reference."""
+    from perf.gemv_kernel_check import run_gemv
 
     K, N, M = 1056, 1000, 3
     qw = weights[(K, N, k)]
-    name = {torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
-    fn = launcher(gemv_spec(k, 4, name, lookup="pair_table", warps_k=2))
     A = torch.randn(M, K, device="cuda", dtype=dtype)
     out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
-    ws = torch.empty(splits * 4 * 8 * 128, device="cuda")
-    counters = torch.zeros(8, dtype=torch.int32, device="cuda")
-    fn(A, qw.packed, qw.absmax, qw.codebook, qw.scale, out, out, ws, counters,
-       M, N, K, splits, 0)  # fmt: skip
+    run_gemv(A, qw, out, workers, None, "pair_table", 8)
     assert not torch.isnan(out).any()
     assert rel_err(out, reference(A, qw)) < TOL[dtype]
-    assert not counters.any(), "split-K counters must be left at zero"

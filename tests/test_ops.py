@@ -259,8 +259,8 @@ def test_cuda_dispatch_passes_the_kernel_arguments_in_order(M, bias, fake_gpu, g
     A = fake(base[1 : 1 + M * K].view(M, K))  # misaligned: copied before the launch
     b = fake(torch.randn(N, generator=gen).to(dtype)) if bias else None
     m_bucket = {1: 1, 2: 2, 3: 4}[M]
-    splits = ops.gemv_splits(N, K, 132, M)
-    assert splits > 1
+    workers, ctas = ops.gemv_grid(k, m_bucket, dtype, N, K, 132)
+    assert workers > N // 128  # partial strips: workspace and counters in use
 
     for _ in range(3):  # the first call plans; then the hot path
         calls.clear()
@@ -270,11 +270,11 @@ def test_cuda_dispatch_passes_the_kernel_arguments_in_order(M, bias, fake_gpu, g
         assert args[0] % 16 == 0 and args[0] != A.data_ptr()
         assert args[1:5] == tuple(t.data_ptr() for t in wargs(w)[:4])
         assert args[5] == (b.data_ptr() if bias else out.data_ptr()) and args[6] == out.data_ptr()
-        assert args[9:] == (M, N, K, splits, int(bias), 1234)
+        assert args[9:] == (M, N, K, workers, ctas, int(bias), 1234)
         state = ops._split_states[(7, 1234)]
         assert args[7] == state.workspace.data_ptr() and args[8] == state.counters.data_ptr()
-        assert state.workspace.numel() >= splits * m_bucket * (N // 64) * 64
-        assert state.counters.numel() >= N // 64 and not state.counters.any()
+        assert state.workspace.numel() >= 2 * workers * m_bucket * 128
+        assert state.counters.numel() >= N // 32 and not state.counters.any()
     assert list(ops._gemv_plans) == [(k, N, K, 7, dtype)]
 
 
@@ -389,8 +389,9 @@ def test_scratch_grows_and_keeps_outgrown_buffers(fake_gpu, gen):
     kbit_cute.gemm(A1, small)
     assert calls[-1][7] == first  # the outgrown buffer: device memory is never freed
     calls.clear()
-    ops._gemv(A2, big, None, fake(torch.empty(4, 4096, dtype=dtype)), 4, splits=16)
-    assert calls[-1][12] == 16 and state.workspace.numel() >= 16 * 4 * 64 * 64
+    ops._gemv(A2, big, None, fake(torch.empty(4, 4096, dtype=dtype)), 4, workers=3000)
+    assert calls[-1][12:14] == ops.gemv_grid(k, 4, dtype, 4096, 8192, 132, 3000)
+    assert calls[-1][12] == 3000 and state.workspace.numel() >= 2 * 3000 * 4 * 128
 
 
 def test_kbit_linear_takes_the_hot_path(fake_gpu, gen):

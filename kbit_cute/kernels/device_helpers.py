@@ -372,6 +372,25 @@ def split_k_arrive(counter: cute.Pointer, splits: Int32, sFlag: cute.Tensor) -> 
     return last
 
 
+@cute.jit
+def warp_split_arrive(counter: cute.Pointer, expected: Int32) -> Int32:
+    """``split_k_arrive`` for one warp: after the warp wrote its fp32 partials, count it in
+    on ``counter``; nonzero (in every lane) in the warp that arrived last of ``expected``,
+    which resets the counter and may then read the others' partials."""
+    cute.arch.fence_acq_rel_gpu()
+    cute.arch.sync_warp()
+    last = Int32(0)
+    if cute.arch.lane_idx() == 0:
+        prev = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
+        last = Int32(prev == expected - 1)
+        if last != 0:
+            cute.arch.atomic_exch(counter, Int32(0))  # ready for the next call
+    last = cute.arch.shuffle_sync(last, 0)
+    if last != 0:
+        cute.arch.fence_acq_rel_gpu()
+    return last
+
+
 SPLIT_LOADS = 8  # partials loaded at once by sum_split_partials
 
 

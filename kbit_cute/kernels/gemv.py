@@ -21,11 +21,14 @@ more than M = 1. What is left per weight is the dequantization into fp16/bf16 pa
   deliver side by side, and the activations are permuted to match (one ``prmt`` per pair,
   shared by all columns of the thread).
 
-Grid: (128-column groups = one repack tile, K splits). The 4 warps of a CTA take 32
-columns each (times ``warps_k`` warp sets that split the CTA's K range, an option). With
-several splits each CTA writes fp32 partials to a workspace and the last CTA of a column
-group (an atomic counter it resets, so no memset is ever needed) sums them in split order:
-results are bit-identical run to run.
+Schedule (stream-K): the weight is (column tile, K tile) units in column-tile-major order,
+split into ``workers`` equal contiguous runs. A worker is a quad of 4 warps (32 columns
+each: one repack tile); a CTA holds ``quads`` of them. A run may start and end inside a
+column tile: the warp then writes its fp32 partial to a workspace slot and counts itself in
+on the strip's counter; the last of the strip's workers sums the slots in worker order
+(bit-identical run to run) and resets the counter, so no memset is ever needed. Equal runs
+keep every SM busy to the end for any shape (no partial wave, no split-K tail), and
+``workers`` = column tiles x s reproduces an s-way split-K.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.memory import SmemAllocator
 
 from ..format import BLOCK, BLOCKS_PER_TILE_K, TILE_K, TILE_N
@@ -53,8 +56,7 @@ from .device_helpers import (
     planes_to_fields,
     prmt,
     scaled_byte_tables,
-    split_k_arrive,
-    sum_split_partials,
+    warp_split_arrive,
 )
 
 WARPS = 4
@@ -68,7 +70,10 @@ THREAD_K = BLOCK // 2  # a thread's K run per tile: half of one block
 # flight then cost no registers (a register ring capped them near 16 KB per SM, which by
 # Little's law held the stream to ~2 TB/s), and a warp syncs only with itself.
 STAGES = {2: 3, 3: 3, 4: 3, 5: 3}
+# Lookups in registers (what a CTA of one quad uses, e.g. the grouped MoE kernel) and the
+# GEMV's defaults: the shared-memory pair table wherever it serves k (see GemvKernel).
 LOOKUP = {2: "pair_shuffle", 3: "byte_tables", 4: "shuffle", 5: "shuffle"}
+GEMV_LOOKUP = {2: "pair_table", 3: "pair_table", 4: "pair_table", 5: "shuffle"}
 # Pair table (k = 4): entry p = (codebook[p & 15], codebook[p >> 4]), one copy per lane so
 # that a warp's 32 loads hit 32 banks: byte address p * 256 + lane * 4 (a prmt builds it
 # from the pair's byte and the lane's byte; rows are 256 bytes, half of each unused).
@@ -77,6 +82,20 @@ PAIR_TABLE_BYTES = 256 * PAIR_TABLE_ROW
 CHUNK_WORDS = 4  # one cp.async moves 16 bytes
 ABSMAX_WORDS = WARP_COLS * BLOCKS_PER_TILE_K // 4  # a warp's absmax bytes of a K tile
 A_ROW_WORDS = TILE_K // 2  # one activation row of a K tile (16-bit values)
+# Shared memory a kernel may use per SM (H100: 227 KB, A100: 163 KB), by target family.
+SMEM_PER_SM = {"sm_90": 227 * 1024, "sm_80": 163 * 1024}
+
+
+def target_arch_family() -> str:
+    """sm_90 or sm_80: the compile target's family (``kbit_cute.compile.target_arch``)."""
+    from ..compile import target_arch
+
+    return "sm_90" if target_arch().startswith("sm_9") else "sm_80"
+
+
+def smem_per_sm() -> int:
+    """Shared memory per SM of the compile target."""
+    return SMEM_PER_SM[target_arch_family()]
 
 
 def gemv_mma(dtype: type[cutlass.Numeric]):
@@ -99,7 +118,7 @@ class GemvKernel:
         dtype: type[cutlass.Numeric],
         stages: int | None = None,
         lookup: str | None = None,
-        warps_k: int | None = None,
+        quads: int | None = None,
     ):
         self.k, self.m, self.dtype = k, m, dtype
         # K tiles in flight per warp, in its shared-memory ring (see STAGES).
@@ -107,26 +126,49 @@ class GemvKernel:
         # How indices become values. Issue slots and the integer ALU pipe (half the issue
         # rate) are what these kernels run out of, so each k takes the lookup with the
         # fewest instructions per weight:
+        # "pair_table" (the GEMV's default for k <= 4): one shared-memory load per pair
+        #   from a 256-entry table of pairs, its address one prmt from the byte that holds
+        #   the pair's two 4-bit fields; 64 KB shared by the quads of a CTA (up to 7: 28
+        #   warps per SM). k = 4: 223 instead of ~300 instructions per K tile.
+        # Register lookups (k = 5, and CTAs of one quad such as the grouped kernel's):
         # k = 2: one shuffle per pair from a 16-entry table of pairs (two adjacent 2-bit
         #        fields are its lane index);
         # k = 3: byte-select tables, scaled per block, four lookups per two prmt;
         # k >= 4: one shuffle per weight, two merged into a pair with one prmt.
-        # "pair_table" (k <= 4, an option): one shared-memory load per pair from a
-        # 256-entry table of pairs, its address one prmt from the byte that holds the
-        # pair's two 4-bit fields. A third fewer instructions at k = 4, but the 64 KB
-        # table halves the warps per SM: it measured equal at k = 4, 10% faster at k = 3
-        # on 8192x28672 and slower on small shapes (perf/NOTES.md).
-        self.lookup = lookup or LOOKUP[k]
+        self.lookup = lookup or GEMV_LOOKUP[k]
         if not GemvKernel.lookup_fits(self.lookup, k):
             raise ValueError(f"GEMV lookup {self.lookup!r} does not serve k={k}")
         self.byte_tables = self.lookup == "byte_tables"
         self.field_width = field_bits(k, 4 if self.lookup in ("byte_tables", "pair_table") else 1)
-        # Warps per CTA: 4 column warps (one repack tile), times warps_k that split the
-        # CTA's K range and add up in shared memory: the 64 KB pair table is shared by
-        # more warps, so more of them fit on an SM.
-        self.warps_k = warps_k or (2 if self.lookup == "pair_table" else 1)
-        self.warps = WARPS * self.warps_k
+        # Workers (quads of 4 column warps) per CTA. One quad per CTA lets the hardware pack
+        # 8 CTAs on an SM; the 64 KB pair table is shared by as many quads as the shared
+        # memory of an SM holds besides it, up to 7 (at 8, 64 registers, it spilled).
+        if quads is None:
+            quads = 1
+            if self.lookup == "pair_table":
+                ring = 4 * self.stage_words() * self.stages * WARPS
+                quads = max(1, min(7, (smem_per_sm() - PAIR_TABLE_BYTES - 1024) // ring))
+        self.quads = quads
+        self.warps = WARPS * quads
         self.threads = 32 * self.warps
+        # Registers per thread (sm_90): 64 fill an SM with 32 warps. k = 5 and k = 4 at m = 8
+        # spill at 64 (72: 28 warps); k = 2 fits 64 unbounded (bounded, it spilled at m = 4).
+        # sm_80's code spills under these bounds: unbounded there (up to 96 registers).
+        self.regs = 72 if k == 5 or (k, m) == (4, 8) else 64
+        self.bound_regs = k != 2 and target_arch_family() == "sm_90"
+        if self.quads > 1:  # one CTA per SM: as many registers as its threads can have
+            self.regs = min(255, 65536 // self.threads // 8 * 8)
+            self.bound_regs = True
+        if target_arch_family() == "sm_80":
+            self.regs = 96
+        smem = 4 * self.stage_words() * self.stages * self.warps + 1024  # + the reserved 1 KB
+        smem += PAIR_TABLE_BYTES if self.lookup == "pair_table" else 0
+        if smem > smem_per_sm():
+            raise ValueError(
+                f"GEMV k={k} m={m} {self.lookup} with {quads} quads needs {smem} bytes of "
+                f"shared memory per CTA, more than an SM has ({smem_per_sm()}): fewer quads"
+            )
+        self.ctas_per_sm = max(1, min(65536 // (self.regs * self.threads), smem_per_sm() // smem))
 
     @staticmethod
     def lookup_fits(lookup: str, k: int) -> bool:
@@ -149,33 +191,33 @@ class GemvKernel:
         pScale: cute.Pointer,  # fp32 (1,) per-tensor scale
         pBias: cute.Pointer,  # (N,) dtype; read only if has_bias
         pOut: cute.Pointer,  # (M, N) row-major, dtype
-        pWorkspace: cute.Pointer,  # fp32 (splits, m, column groups * 128) when splits > 1
-        pCounters: cute.Pointer,  # int32 (column groups,), zero; left zero
+        pWorkspace: cute.Pointer,  # fp32 (2 workers, m, 128): partial strips
+        pCounters: cute.Pointer,  # int32 (4 column tiles,), zero; left zero
         M: Int32,
         N: Int32,
         K: Int32,
-        splits: Int32,
+        workers: Int32,  # 1 <= workers <= column tiles x K tiles
+        ctas: Int32,  # ctas x quads >= workers
         has_bias: Int32,
         stream: cuda.CUstream,
     ):
         K = cute.assume(K, divby=BLOCK)
         n_tiles = (N + TILE_N - 1) // TILE_N
         k_tiles = (K + TILE_K - 1) // TILE_K
-        groups = n_tiles * (TILE_N // COLS_PER_GROUP)
         mW = cute.make_tensor(pPacked, weight_words_layout(n_tiles, k_tiles, self.k))
         mS = cute.make_tensor(pAbsmax, weight_absmax_layout(n_tiles, k_tiles))
         mA = cute.make_tensor(pA, cute.make_layout((M, K), stride=(K, 1)))
         mOut = cute.make_tensor(pOut, cute.make_layout((M, N), stride=(N, 1)))
         mWs = cute.make_tensor(
-            pWorkspace,
-            cute.make_layout(
-                (groups * COLS_PER_GROUP, self.m, splits),
-                stride=(1, groups * COLS_PER_GROUP, self.m * groups * COLS_PER_GROUP),
-            ),
+            pWorkspace, cute.make_layout((TILE_N, self.m, 2 * workers), stride=(1, TILE_N, self.m * TILE_N))
         )
         self.kernel(
-            mA, mW, mS, pCodebook, pScale, pBias, mOut, mWs, pCounters, k_tiles, splits, has_bias
-        ).launch(grid=[groups, splits, 1], block=[self.threads, 1, 1], stream=stream)
+            mA, mW, mS, pCodebook, pScale, pBias, mOut, mWs, pCounters, n_tiles, k_tiles, workers,
+            has_bias,
+        ).launch(
+            grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream,
+            min_blocks_per_mp=self.ctas_per_sm if self.bound_regs else 0, preferred_smem_carveout=-1,
+        )  # fmt: skip
 
     @cute.kernel
     def kernel(
@@ -187,67 +229,50 @@ class GemvKernel:
         pScale: cute.Pointer,
         pBias: cute.Pointer,
         mOut: cute.Tensor,  # (M, N)
-        mWs: cute.Tensor,  # (group columns, m, splits) fp32
+        mWs: cute.Tensor,  # (column in tile, row, slot) fp32; slot 2 w + (0 first, 1 last)
         pCounters: cute.Pointer,
+        n_tiles: Int32,
         k_tiles: Int32,
-        splits: Int32,
+        workers: Int32,
         has_bias: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        group, split, _ = cute.arch.block_idx()
-        warp, lane = tidx // 32, tidx % 32
-        wn, wk = warp % WARPS, warp // WARPS  # column warp, K part
+        cta, _, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
+        # warp_idx() is warp-uniform to the compiler: the schedule's values below then live
+        # in uniform registers, not in the 64 per thread.
+        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+        wn, quad = warp % WARPS, warp // WARPS
         M, K = mA.shape
         # mma fragment coordinates: lane = 4 * g + t. The thread's mma rows are g and g + 8
         # of each row tile; its K run in a tile is block kb = t / 2, half h = t % 2.
         g, t = lane // 4, lane % 4
-        col0 = group * COLS_PER_GROUP + wn * WARP_COLS + g
-        kt_begin = split * k_tiles // splits
-        kt_end = (split + 1) * k_tiles // splits
-        if cutlass.const_expr(self.warps_k > 1):  # this warp's part of the CTA's K tiles
-            n_kt = kt_end - kt_begin
-            kt_begin, kt_end = (
-                kt_begin + wk * n_kt // self.warps_k,
-                kt_begin + (wk + 1) * n_kt // self.warps_k,
-            )
 
         smem = SmemAllocator()
-        sFlag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
-
-        ctx = self.make_mainloop(smem, pCodebook, t)
+        ctx = self.make_mainloop(smem, pCodebook, t)  # (the pair table syncs the CTA)
         acc = ctx[-1]
-        for r in cutlass.range_constexpr(ROW_TILES):
-            acc[r].fill(0.0)
-        # Activation rows 0..M-1 feed the mma's columns g; threads past M reuse row M-1
-        # (finite values, never stored).
-        self.mainloop(mA, mW, mS, col0, (Int32(0), M), t, kt_begin, kt_end, ctx)
-        if cutlass.const_expr(self.warps_k > 1):
-            self.add_k_parts(acc, ctx[5], wk)
-
-        self.epilogue(
-            acc, pScale, pBias, mOut, mWs, pCounters, sFlag, splits, has_bias, col0, t, wk == 0
-        )
-
-    @cute.jit
-    def add_k_parts(self, acc, ring, wk):
-        """Column warp wn of K part 0 takes the sums of the other K parts' warp wn, through
-        the ring's shared memory (every warp is past its K loop, so the ring is free)."""
-        acc_n = ROW_TILES * 4
-        lay = cute.make_layout((acc_n, self.threads // self.warps_k, self.warps_k))
-        buf = cute.make_tensor(cute.recast_ptr(ring.iterator, dtype=Float32), lay)
-        tidx, _, _ = cute.arch.thread_idx()
-        col_thread = tidx % (self.threads // self.warps_k)
-        cute.arch.sync_threads()
-        if wk > 0:
-            for r in cutlass.range_constexpr(ROW_TILES):
-                for i in cutlass.range_constexpr(4):
-                    buf[r * 4 + i, col_thread, wk] = acc[r][i]
-        cute.arch.sync_threads()
-        if wk == 0:
-            for p in cutlass.range_constexpr(1, self.warps_k):
+        # Workers interleave over the CTAs, so a grid with idle quads spreads its work over
+        # every SM that has a CTA.
+        worker = quad * ctas + cta
+        if worker < workers:
+            units = n_tiles * k_tiles
+            u_begin = _run_start(worker, units, workers)
+            u_end = _run_start(worker + 1, units, workers)
+            nt_first = u_begin // k_tiles
+            for nt in cutlass.range(nt_first, (u_end - 1) // k_tiles + 1, unroll=1):
+                kt_begin = cutlass.max(u_begin - nt * k_tiles, 0)
+                kt_end = cutlass.min(u_end - nt * k_tiles, k_tiles)
                 for r in cutlass.range_constexpr(ROW_TILES):
-                    for i in cutlass.range_constexpr(4):
-                        acc[r][i] = acc[r][i] + buf[r * 4 + i, col_thread, p]
+                    acc[r].fill(0.0)
+                col0 = nt * TILE_N + wn * WARP_COLS + g
+                # Activation rows 0..M-1 feed the mma's columns g; threads past M reuse row
+                # M-1 (finite values, never stored).
+                self.mainloop(mA, mW, mS, col0, (Int32(0), M), t, kt_begin, kt_end, ctx)
+                slot = 2 * worker + Int32(nt != nt_first)
+                self.finish_strip(
+                    acc, pScale, pBias, mOut, mWs, pCounters, has_bias, nt, wn, t, slot,
+                    (units, workers, k_tiles),
+                )  # fmt: skip
 
     def stage_words(self) -> int:
         """Int32 words of one warp's ring stage: its 32 columns' plane words for both
@@ -294,18 +319,24 @@ class GemvKernel:
         tidx, _, _ = cute.arch.thread_idx()
         lane = tidx % 32
         slices = PAIR_TABLE_ROW // 2 // 16  # 16-byte slices of a row's used half
-        for i in range(256 * slices // self.threads):
-            chunk = tidx + i * self.threads
-            p, sl = chunk // slices, chunk % slices
-            lo = codebook_lookup_x2(cb_lane, Uint32(p) & Uint32(15))
-            hi = codebook_lookup_x2(cb_lane, Uint32(p) >> Uint32(4))
-            v = prmt(lo, hi, 0x5410)
-            four = cute.make_rmem_tensor((4,), Uint32)
-            four.fill(v)
-            dst = table.iterator + cute.assume(p * (PAIR_TABLE_ROW // 4) + sl * 4, divby=4)
-            cute.autovec_copy(four, cute.make_tensor(dst, cute.make_layout(4)))
+        self.fill_pair_table(table, cb_lane, tidx, slices)
         cute.arch.sync_threads()
         return cute.recast_ptr(table.iterator, dtype=cutlass.Uint8), Uint32(lane * 4)
+
+    @cute.jit
+    def fill_pair_table(self, table, cb_lane, tidx, slices: cutlass.Constexpr):
+        """Each thread fills 16-byte slices (4 lanes' copies of one entry) of the table."""
+        chunks = 256 * slices
+        for i in cutlass.range_constexpr(-(-chunks // self.threads)):
+            chunk = tidx + i * self.threads
+            if chunk < chunks:  # warp-uniform: the shuffles below see all 32 lanes
+                p, sl = chunk // slices, chunk % slices
+                lo = codebook_lookup_x2(cb_lane, Uint32(p) & Uint32(15))
+                hi = codebook_lookup_x2(cb_lane, Uint32(p) >> Uint32(4))
+                four = cute.make_rmem_tensor((4,), Uint32)
+                four.fill(prmt(lo, hi, 0x5410))
+                dst = table.iterator + cute.assume(p * (PAIR_TABLE_ROW // 4) + sl * 4, divby=4)
+                cute.autovec_copy(four, cute.make_tensor(dst, cute.make_layout(4)))
 
     @cute.jit
     def mainloop(self, mA, mW, mS, col0, rows, t, kt_begin, kt_end, ctx):
@@ -514,38 +545,70 @@ class GemvKernel:
         return prmt(act[ea // 2], act[eb // 2], pair_selector(ea % 2, eb % 2))
 
     @cute.jit
-    def epilogue(
-        self, acc, pScale, pBias, mOut, mWs, pCounters, sFlag, splits, has_bias, col0, t, owner
+    def finish_strip(
+        self, acc, pScale, pBias, mOut, mWs, pCounters, has_bias, nt, wn, t, slot, plan
     ):
-        """C fragment: acc[r][i] is column col0 + 16 r + 8 (i // 2), row 2 t + i % 2."""
-        m_rows = self.m
-        tidx, _, _ = cute.arch.thread_idx()
-        group, split, _ = cute.arch.block_idx()
-        M, N = mOut.shape
+        """Output of the warp's strip (32 columns of column tile nt) after its K run: stored
+        if the run covered all K, else a partial in workspace slot ``slot``; the strip's
+        last worker to arrive sums all partials in worker order and stores.
+        C fragment: acc[r][i] is column 16 r + 8 (i // 2) + g of the strip, row 2 t + i % 2."""
+        units, workers, k_tiles = plan
+        lane = cute.arch.lane_idx()
         scale = cute.make_tensor(pScale, cute.make_layout(1))[0]
+        M, N = mOut.shape
         mBias = cute.make_tensor(pBias, cute.make_layout(N))
-        for r in cutlass.range_constexpr(ROW_TILES):
-            for i in cutlass.range_constexpr(4):
-                col = col0 + 16 * r + 8 * (i // 2)
-                m = 2 * t + i % 2
-                if owner:
-                    if m < m_rows:
-                        if splits == 1:
-                            self.store(acc[r][i], scale, mBias, mOut, has_bias, m, col)
-                        else:
-                            mWs[col, m, split] = acc[r][i]
-        if splits > 1:
-            if split_k_arrive(pCounters + group, splits, sFlag) != 0:  # the last CTA reduces
-                outputs = COLS_PER_GROUP * m_rows
-                for i in cutlass.range_constexpr((outputs + self.threads - 1) // self.threads):
-                    o = tidx + i * self.threads
-                    col, m = o % COLS_PER_GROUP, o // COLS_PER_GROUP
-                    if o < outputs:
-                        gcol = group * COLS_PER_GROUP + col
-                        first = mWs.iterator + cute.crd2idx((gcol, m, 0), mWs.layout)
-                        stride = cute.crd2idx((0, 0, 1), mWs.layout)
-                        v = sum_split_partials(first, stride, splits)
-                        self.store(v, scale, mBias, mOut, has_bias, m, gcol)
+        # Workers whose runs meet this column tile: w_lo holds its first K tile, w_hi its last.
+        w_lo = _worker_of(nt * k_tiles, units, workers)
+        w_hi = _worker_of(nt * k_tiles + k_tiles - 1, units, workers)
+        in_tile0 = wn * WARP_COLS + lane // 4
+        if w_lo == w_hi:
+            for r in cutlass.range_constexpr(ROW_TILES):
+                for i in cutlass.range_constexpr(4):
+                    m = 2 * t + i % 2
+                    if m < self.m:
+                        col = nt * TILE_N + in_tile0 + 16 * r + 8 * (i // 2)
+                        self.store(acc[r][i], scale, mBias, mOut, has_bias, m, col)
+        else:
+            for r in cutlass.range_constexpr(ROW_TILES):
+                for i in cutlass.range_constexpr(4):
+                    m = 2 * t + i % 2
+                    if m < self.m:
+                        mWs[in_tile0 + 16 * r + 8 * (i // 2), m, slot] = acc[r][i]
+            counter = pCounters + (nt * WARPS + wn)
+            if warp_split_arrive(counter, w_hi - w_lo + 1) != 0:
+                # w_lo wrote slot 2 w_lo if its run starts at this tile, else 2 w_lo + 1 (its
+                # last strip); every later worker starts here: slot 2 w.
+                first_slot = 2 * w_lo + Int32(_run_start(w_lo, units, workers) < nt * k_tiles)
+                self.reduce_strip(mWs, scale, mBias, mOut, has_bias, nt, wn, first_slot, w_hi - w_lo)
+
+    @cute.jit
+    def reduce_strip(self, mWs, scale, mBias, mOut, has_bias, nt, wn, first_slot, later):
+        """Lane c sums column c of the strip over the partial slots (``first_slot``, then
+        ``later`` more, 2 apart), in worker order, all m rows at once: each round of loads
+        is one L2 round trip for ``batch`` workers, coalesced across the warp."""
+        lane = cute.arch.lane_idx()
+        c = wn * WARP_COLS + lane
+        batch = max(2, 8 // self.m)
+        v = [
+            cute.arch.load(mWs.iterator + cute.crd2idx((c, m, first_slot), mWs.layout),
+                           Float32, cop="cg")
+            for m in range(self.m)
+        ]  # fmt: skip
+        for b0 in cutlass.range(0, later, batch, unroll=1):
+            parts = []
+            for j in cutlass.range_constexpr(batch):
+                slot = first_slot - first_slot % 2 + 2 * (b0 + j + 1)
+                for m in cutlass.range_constexpr(self.m):
+                    x = Float32(0.0)
+                    if b0 + j < later:
+                        ptr = mWs.iterator + cute.crd2idx((c, m, slot), mWs.layout)
+                        x = cute.arch.load(ptr, Float32, cop="cg")
+                    parts.append(x)
+            for j in cutlass.range_constexpr(batch):
+                for m in cutlass.range_constexpr(self.m):
+                    v[m] = v[m] + parts[j * self.m + m]  # + 0.0 past the last worker
+        for m in cutlass.range_constexpr(self.m):
+            self.store(v[m], scale, mBias, mOut, has_bias, m, nt * TILE_N + c)
 
     @cute.jit
     def store(self, v, scale, mBias, mOut, has_bias, m, n):
@@ -556,6 +619,18 @@ class GemvKernel:
             if has_bias != 0:
                 r = r + Float32(mBias[n])
             mOut[m, n] = self.dtype(r)
+
+
+@cute.jit
+def _run_start(w, units, workers) -> Int32:
+    """First unit of worker w's run: runs split ``units`` into ``workers`` equal parts."""
+    return Int32(Int64(w) * Int64(units) // Int64(workers))
+
+
+@cute.jit
+def _worker_of(u, units, workers) -> Int32:
+    """The worker whose run holds unit u (the inverse of ``_run_start``)."""
+    return Int32((Int64(u) * Int64(workers) + Int64(workers - 1)) // Int64(units))
 
 
 def _copy_chunk(atom, src: cute.Pointer, dst: cute.Pointer):
@@ -594,10 +669,10 @@ M_BUCKETS = (1, 2, 4, 8)  # activation rows per variant: the mma has 8 columns
 
 def gemv_spec(
     k: int, m: int, dtype: str, stages: int | None = None, lookup: str | None = None,
-    warps_k: int | None = None,
+    quads: int | None = None,
 ):  # fmt: skip
     """The compiled variant of ``GemvKernel`` for bits ``k``, rows bucket ``m``, dtype name
-    (``stages``, ``lookup``, ``warps_k``: override the defaults, for tuning)."""
+    (``stages``, ``lookup``, ``quads``: override the defaults, for tuning)."""
     from ..compile import KernelSpec, fake_ptr, fake_stream
 
     def build():
@@ -606,12 +681,12 @@ def gemv_spec(
             fake_ptr(dt), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Uint8),
             fake_ptr(cutlass.Float32), fake_ptr(cutlass.Float32, 4), fake_ptr(dt, 2),
             fake_ptr(dt, 2), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int32, 4),
-            Int32(1), Int32(1), Int32(32), Int32(1), Int32(0), fake_stream(),
+            Int32(1), Int32(1), Int32(32), Int32(1), Int32(1), Int32(0), fake_stream(),
         )  # fmt: skip
-        return GemvKernel(k, m, dt, stages, lookup, warps_k), args
+        return GemvKernel(k, m, dt, stages, lookup, quads), args
 
     suffix = (f"_s{stages}" if stages else "") + (f"_{lookup}" if lookup else "")
-    suffix += f"_wk{warps_k}" if warps_k else ""
+    suffix += f"_q{quads}" if quads else ""
     return KernelSpec(f"gemv_k{k}_m{m}_{dtype}{suffix}", build, expect=("LDGSTS", "HMMA"))
 
 

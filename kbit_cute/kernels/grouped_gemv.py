@@ -40,14 +40,14 @@ from .gemv import (
     MMA_N,
     ROW_TILES,
     WARPS,
+    LOOKUP,
     GemvKernel,
+    smem_per_sm,
 )
 
 ROWS_PER_PASS = MMA_N  # activation rows per mma: rows of an expert handled per K pass
 GATE_UP_COLS = COLS_PER_GROUP // 2  # outputs per CTA of the fused gate/up kernel
 _LOG2_E = 1.4426950408889634
-# Shared memory a kernel may use per SM (H100: 227 KB, A100: 163 KB), by target family.
-SMEM_PER_SM = {"sm_90": 227 * 1024, "sm_80": 163 * 1024}
 SCAN_PER_THREAD = 4  # experts each thread checks per round of the slot -> expert scan
 
 
@@ -66,17 +66,14 @@ class GroupedGemvKernel(GemvKernel):
     """Compile-time config: bits ``k``, activation dtype, ``gate_up`` (fused SiLU(g) * u)."""
 
     def __init__(self, k: int, dtype: type[cutlass.Numeric], gate_up: bool, stages=None):
-        # The GEMV's default lookup, one warp set per column warp (the epilogues assume it).
-        super().__init__(k, ROWS_PER_PASS, dtype, stages, warps_k=1)
+        # Register lookups, one quad of column warps per CTA (the epilogues assume it).
+        super().__init__(k, ROWS_PER_PASS, dtype, stages, lookup=LOOKUP[k], quads=1)
         self.gate_up = gate_up
         # Register cap: as many CTAs per SM as the shared-memory rings allow on the target
         # (at most 6), so the compiler keeps each thread to what that many CTAs can have.
-        from ..compile import target_arch
-
         ring_bytes = 4 * self.stage_words() * self.stages * WARPS
         epilogue_bytes = 4 * ROWS_PER_PASS * (COLS_PER_GROUP + 4) + 64
-        smem = SMEM_PER_SM.get(target_arch()[:5], SMEM_PER_SM["sm_80"])
-        self.min_ctas_per_sm = max(1, min(6, smem // (ring_bytes + epilogue_bytes)))
+        self.min_ctas_per_sm = max(1, min(6, smem_per_sm() // (ring_bytes + epilogue_bytes)))
 
     @cute.jit
     def __call__(
