@@ -13,8 +13,10 @@ more than M = 1. What is left per weight is the dequantization into fp16/bf16 pa
 * a thread owns 16 consecutive K of one 32-weight block for 4 columns (two mma row
   tiles); it reads the columns' bit-plane words from the ring, picks its 16-bit half of
   each plane and merges the planes into index fields SWAR-style (``planes_to_fields``);
-* indices become values by byte-select tables in registers (k <= 3, ``prmt``) or a
-  warp-shuffle table (k >= 4), two weights per 32-bit register, times the block's absmax
+* indices become values two at a time: for k <= 4 by one shared-memory load from a
+  256-entry table of pairs (a copy per lane, so no bank conflicts; its address one
+  ``prmt``), for k = 5 by warp shuffles from a table in registers (register lookups also
+  serve k <= 4 in single-quad CTAs, e.g. the grouped MoE kernel), times the block's absmax
   (one 2-wide multiply; the E4M4 byte becomes a half2 scale with one IMAD, ``absmax_x2``);
 * mma.sync pairs K positions to registers in a fixed pattern; since the dot product does
   not care about the order of K, each register takes the two weights that the SWAR fields
@@ -26,9 +28,11 @@ split into ``workers`` equal contiguous runs. A worker is a quad of 4 warps (32 
 each: one repack tile); a CTA holds ``quads`` of them. A run may start and end inside a
 column tile: the warp then writes its fp32 partial to a workspace slot and counts itself in
 on the strip's counter; the last of the strip's workers sums the slots in worker order
-(bit-identical run to run) and resets the counter, so no memset is ever needed. Equal runs
-keep every SM busy to the end for any shape (no partial wave, no split-K tail), and
-``workers`` = column tiles x s reproduces an s-way split-K.
+(bit-identical run to run) and resets the counter, so no memset is ever needed.
+``workers`` = column tiles x s is an s-way split-K; the library picks that form (a run
+that crosses a column tile drains and refills its ring there: measured slower) with as
+many workers as fit one wave (``ops.kernel_grid``). The pair table (k <= 4) is shared by
+the quads of a CTA (up to 7, one CTA per SM).
 """
 
 from __future__ import annotations
