@@ -155,16 +155,18 @@ class GemvKernel:
         self.quads = quads
         self.warps = WARPS * quads
         self.threads = 32 * self.warps
-        # Registers per thread (sm_90): 64 fill an SM with 32 warps. k = 5 and k = 4 at m = 8
-        # spill at 64 (72: 28 warps); k = 2 fits 64 unbounded (bounded, it spilled at m = 4).
-        # sm_80's code spills under these bounds: unbounded there (up to 96 registers).
-        self.regs = 72 if k == 5 or (k, m) == (4, 8) else 64
-        self.bound_regs = k != 2 and target_arch_family() == "sm_90"
-        if self.quads > 1:  # one CTA per SM: as many registers as its threads can have
-            self.regs = min(255, 65536 // self.threads // 8 * 8)
-            self.bound_regs = True
-        if target_arch_family() == "sm_80":
-            self.regs = 96
+        # Registers per thread, and whether the launch bounds them. Quads sharing a pair
+        # table: one CTA per SM, every register its threads can have. One quad per CTA on
+        # sm_90: 64 fill an SM with 32 warps; k = 5 and k = 4 at m = 8 spill at 64 (72: 28
+        # warps); k = 2 fits 64 unbounded (bounded, it spilled at m = 4). sm_80's code
+        # spills under those bounds: unbounded there (up to 96).
+        if self.quads > 1:
+            self.regs, self.bound_regs = min(255, 65536 // self.threads // 8 * 8), True
+        elif target_arch_family() == "sm_80":
+            self.regs, self.bound_regs = 96, False
+        else:
+            self.regs = 72 if k == 5 or (k, m) == (4, 8) else 64
+            self.bound_regs = k != 2
         smem = 4 * self.stage_words() * self.stages * self.warps + 1024  # + the reserved 1 KB
         smem += PAIR_TABLE_BYTES if self.lookup == "pair_table" else 0
         if smem > smem_per_sm():
