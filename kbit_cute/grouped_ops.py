@@ -14,6 +14,14 @@ dequantize + a matmul per expert.
 ``max_rows`` is a static bound on any one expert's rows (0: R). A MoE layer passes the token
 count, since a token picks an expert at most once. Split-K keeps partial sums for that many
 rows per expert; rows past the bound come out as NaN, never silently wrong.
+
+``overlap=True`` (H100 and later) lets a launch find its experts and prefetch their weights
+while the kernel before it on the stream still runs; it reads ``A`` and writes ``out`` only
+after that kernel has finished. The caller vouches that the kernel launched just before
+did not write the offsets or the weights: true in a MoE layer (gate_up after the row
+gather, down after gate_up), not for offsets computed by the kernel right before. Only
+launches whose experts fit ``_PREFETCH_LIMIT`` prefetch (decode's few tokens): more bytes
+would be evicted from L2 by the running kernel's stream before they are used.
 """
 
 from __future__ import annotations
@@ -41,13 +49,14 @@ def grouped_gemm(
     out: torch.Tensor | None = None,
     *,
     max_rows_per_expert: int | None = None,
+    overlap: bool = False,
 ) -> torch.Tensor:
     """out[r] = A[r] @ W_e^T for every row r in expert e's range offsets[e]:offsets[e+1].
 
     A [R, K] fp16/bf16 (CUDA) or any float dtype (CPU), rows sorted by expert; output in
-    A's dtype. Rows outside every range are not written.
+    A's dtype. Rows outside every range are not written. ``overlap``: see the module text.
     """
-    return _call("grouped_gemm", A, experts, expert_offsets, out, max_rows_per_expert)
+    return _call("grouped_gemm", A, experts, expert_offsets, out, max_rows_per_expert, overlap)
 
 
 def moe_gate_up(
@@ -57,18 +66,22 @@ def moe_gate_up(
     out: torch.Tensor | None = None,
     *,
     max_rows_per_expert: int | None = None,
+    overlap: bool = False,
 ) -> torch.Tensor:
     """SiLU(A W_gate^T) * (A W_up^T) per expert, from the fused [gate; up] weight of each
     expert (``gate_up.N`` = 2 I, gate rows first: transformers' ``gate_up_proj``) in one pass
-    over it. Returns [R, I]; I must be a multiple of 64."""
-    return _call("moe_gate_up", A, gate_up, expert_offsets, out, max_rows_per_expert)
+    over it. Returns [R, I]; I must be a multiple of 64. ``overlap``: see the module text."""
+    return _call("moe_gate_up", A, gate_up, expert_offsets, out, max_rows_per_expert, overlap)
 
 
-def _call(name, A, ex, offsets, out, max_rows):
+def _call(name, A, ex, offsets, out, max_rows, overlap):
     if not isinstance(ex, KbitExperts):
         raise TypeError(f"{name} takes a KbitExperts, got {type(ex).__name__}")
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be a bool, got {type(overlap).__name__}")
     bound = _check_bound(max_rows)
-    args = (A, ex.packed, ex.absmax, ex.codebook, ex.scale, offsets, ex.k, ex.N, ex.K, bound)
+    args = (A, ex.packed, ex.absmax, ex.codebook, ex.scale, offsets, ex.k, ex.N, ex.K, bound,
+            overlap)  # fmt: skip
     if _is_compiling():
         if out is None:
             return getattr(torch.ops.kbit_cute, name)(*args)
@@ -135,7 +148,9 @@ def _check_args(gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, o
 # ---------------------------------------------------------------------------- implementation
 
 
-def _impl(gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, max_rows, out=None):
+def _impl(
+    gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, max_rows, overlap, out=None
+):  # fmt: skip
     E, n_out = _check_args(gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, out)
     if out is None:
         out = A.new_empty((A.shape[0], n_out))
@@ -144,7 +159,7 @@ def _impl(gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, max_row
     if not A.is_cuda:
         return _reference(gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, out)
     _launch(gate_up, A.contiguous(), packed, absmax, codebook, scale, offsets, k, N, K,
-            max_rows, out, E)  # fmt: skip
+            max_rows, out, E, overlap=overlap)  # fmt: skip
     return out
 
 
@@ -180,6 +195,8 @@ def grouped_splits(items: int, k_tiles: int, sm_count: int) -> int:
 
 # Split-K workspace budget: beyond it the split count drops (fp32 partials of every row).
 _WORKSPACE_LIMIT = 64 << 20
+# ``overlap``: the most expert bytes a launch prefetches into L2 (a third of the H100's).
+_PREFETCH_LIMIT = 16 << 20
 
 
 _launchers: dict[tuple, object] = {}
@@ -187,7 +204,7 @@ _launchers: dict[tuple, object] = {}
 
 def _launch(
     gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, max_rows, out, E,
-    splits=None, stages=None,
+    splits=None, stages=None, overlap=False,
 ):  # fmt: skip
     dev = A.get_device()
     props = _device.check_device(dev)
@@ -215,16 +232,21 @@ def _launch(
     ws, counters = _split_scratch(
         dev, current_raw_stream(dev), per_split * splits if splits > 1 else 1, slots * groups
     )
+    expert_bytes = (packed.numel() * 4 + absmax.numel()) // E
+    prefetch = overlap and slots * expert_bytes <= _PREFETCH_LIMIT
     fn(A, packed, absmax, codebook, scale, offsets, out, ws, counters,
-       R, N, K, E, slots, passes, splits)  # fmt: skip
+       R, N, K, E, slots, passes, splits, int(prefetch))  # fmt: skip
 
 
-def _grouped(gate_up, A, ex: KbitExperts, offsets, out, max_rows=0, splits=None, stages=None):
+def _grouped(
+    gate_up, A, ex: KbitExperts, offsets, out, max_rows=0, splits=None, stages=None,
+    overlap=False,
+):  # fmt: skip
     """The grouped kernel with an explicit split count / ring depth (checks and tuning)."""
     E, _ = _check_args(gate_up, A, ex.packed, ex.absmax, ex.codebook, ex.scale, offsets,
                        ex.k, ex.N, ex.K, out)  # fmt: skip
     _launch(gate_up, A, ex.packed, ex.absmax, ex.codebook, ex.scale, offsets, ex.k, ex.N,
-            ex.K, max_rows, out, E, splits, stages)  # fmt: skip
+            ex.K, max_rows, out, E, splits, stages, overlap)  # fmt: skip
     return out
 
 
@@ -244,12 +266,13 @@ def _define(name: str, gate_up: bool):
         N: int,
         K: int,
         max_rows: int,
+        overlap: bool,
     ) -> torch.Tensor:
         return _impl(gate_up, A, packed, absmax, codebook, scale, expert_offsets, k, N, K,
-                     max_rows)  # fmt: skip
+                     max_rows, overlap)  # fmt: skip
 
     @op.register_fake
-    def _(A, packed, absmax, codebook, scale, expert_offsets, k, N, K, max_rows):
+    def _(A, packed, absmax, codebook, scale, expert_offsets, k, N, K, max_rows, overlap):
         _, n_out = _check_args(gate_up, A, packed, absmax, codebook, scale, expert_offsets,
                                k, N, K, None)  # fmt: skip
         return A.new_empty((A.shape[0], n_out))
@@ -266,13 +289,14 @@ def _define(name: str, gate_up: bool):
         N: int,
         K: int,
         max_rows: int,
+        overlap: bool,
         out: torch.Tensor,
     ) -> None:
         _impl(gate_up, A, packed, absmax, codebook, scale, expert_offsets, k, N, K, max_rows,
-              out)  # fmt: skip
+              overlap, out)  # fmt: skip
 
     @op_out.register_fake
-    def _(A, packed, absmax, codebook, scale, expert_offsets, k, N, K, max_rows, out):
+    def _(A, packed, absmax, codebook, scale, expert_offsets, k, N, K, max_rows, overlap, out):
         _check_args(gate_up, A, packed, absmax, codebook, scale, expert_offsets, k, N, K, out)
 
     return op, op_out

@@ -472,8 +472,12 @@ class KbitMoE(nn.Module):
         else:
             rows = x2.index_select(0, order // slots)
         # A token picks an expert at most once: no expert has more than T rows.
-        h = grouped_ops.moe_gate_up(rows, self.gate_up.weight, offsets, max_rows_per_expert=T)
-        y = grouped_ops.grouped_gemm(h, self.down.weight, offsets, max_rows_per_expert=T)
+        # The kernels right before the two expert launches (the row copy, gate_up) write
+        # neither the offsets nor the weights: each may start early (``overlap``).
+        h = grouped_ops.moe_gate_up(rows, self.gate_up.weight, offsets, max_rows_per_expert=T,
+                                    overlap=True)  # fmt: skip
+        y = grouped_ops.grouped_gemm(h, self.down.weight, offsets, max_rows_per_expert=T,
+                                     overlap=True)  # fmt: skip
         shared = None
         if m and not fused:
             shared = self._shared_mlp(x2)

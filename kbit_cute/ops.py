@@ -573,9 +573,7 @@ def _gemv_launch(A, packed, absmax, codebook, scale, k, N, K, bias, out, M, work
     return out
 
 
-def _launch_gemv(
-    fn, A, packed, absmax, codebook, scale, bias, out, scratch, M, N, K, grid, stream
-):
+def _launch_gemv(fn, A, packed, absmax, codebook, scale, bias, out, scratch, M, N, K, grid, stream):
     has_bias = bias is not None
     fn(
         A, packed, absmax, codebook, scale, bias if has_bias else out, out, scratch[0],

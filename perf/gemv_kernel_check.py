@@ -69,7 +69,9 @@ def check(variants=((None, None),)) -> list:
             W = dequantize_reference(qw, torch.float32)
             for dtype in (torch.float16, torch.bfloat16):
                 for M in (1, 2, 3, 4, 5, 8):
-                    for splits, (lk, wk) in [(s, v) for s in ("s1", "s3", "auto", 7) for v in variants]:
+                    for splits, (lk, wk) in [
+                        (s, v) for s in ("s1", "s3", "auto", 7) for v in variants
+                    ]:
                         if lk and not GemvKernel.lookup_fits(lk, k):
                             continue
                         A = torch.randn(M, K, device="cuda", dtype=dtype)

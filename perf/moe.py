@@ -5,7 +5,8 @@ DeepSeek-V2-Lite), token count T and bit width k, four implementations on the **
 routings** (uniform random top-k distinct experts per token, seeded; ``draw_routing``):
 
 - ``kbit-experts``: ``kbit_cute.grouped_ops.moe_gate_up`` then ``grouped_gemm`` on the
-  expert-sorted rows (the expert part of a layer: sorted rows in, sorted rows out);
+  expert-sorted rows (the expert part of a layer: sorted rows in, sorted rows out), with
+  ``overlap=True`` as KbitMoE calls them;
 - ``kbit-moe``: the whole ``kbit_cute.moe.KbitMoE`` forward (router, sort, gather, experts,
   combine, shared experts). Its router weight is [I_E | 0] and the tokens carry
   ``ROUTER_LOGIT`` in the channels of their experts, so its own top-k picks exactly the
@@ -310,9 +311,11 @@ class KbitExpertsImpl(MoeImpl):
 
         gu, dn = self.copies[i]
         A, off, T = r.A, r.offsets, r.T
+        # As KbitMoE calls them: neither launch follows a kernel that writes the offsets.
         return lambda: grouped_gemm(
-            moe_gate_up(A, gu, off, max_rows_per_expert=T), dn, off, max_rows_per_expert=T
-        )
+            moe_gate_up(A, gu, off, max_rows_per_expert=T, overlap=True), dn, off,
+            max_rows_per_expert=T, overlap=True,
+        )  # fmt: skip
 
     def check(self, r):
         from kbit_cute.ops import dequantize

@@ -297,6 +297,44 @@ def test_grouped_ops_cuda_graph_replays_new_offsets(gen, bank):
         assert rel_err(y, reference(A_down, down, offsets, False, Wd)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("T", [1, 16])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", KS)
+def test_overlapped_chain_reads_gate_up_output(k, dtype, T, gen, bank):
+    """moe_gate_up -> grouped_gemm with ``overlap``: the down launch starts early (finds its
+    experts, prefetches weights) yet reads gate_up's output only once written. Replayed in a
+    graph with new rows and routings: the same bits as the eager calls without overlap."""
+    E, top_k, H, inter = CONFIGS["e512"]
+    gu, down, (Wgu, Wd) = bank(E, H, inter, k)
+    R = T * top_k
+    A = torch.empty(R, H, device="cuda", dtype=dtype)
+    offsets = torch.empty(E + 1, device="cuda", dtype=torch.int32)
+    y = torch.empty(R, H, device="cuda", dtype=dtype)
+
+    def load(kind):
+        A.copy_(torch.randn(R, H, generator=gen))
+        offsets.copy_(sort_by_expert(make_ids(T, E, top_k, kind, gen), E)[1])
+
+    def step():
+        h = moe_gate_up(A, gu, offsets, max_rows_per_expert=T, overlap=True)
+        grouped_gemm(h, down, offsets, out=y, max_rows_per_expert=T, overlap=True)
+
+    load("random")
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for kind in ("random", "hot", "random"):
+        load(kind)
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        h = moe_gate_up(A, gu, offsets, max_rows_per_expert=T)
+        assert torch.equal(y, grouped_gemm(h, down, offsets, max_rows_per_expert=T)), kind
+        assert rel_err(y, reference(h, down, offsets, False, Wd)) < TOL[dtype]
+
+
 # One KbitMoE forward at decode, bf16, k = 4: (E, top_k, H, I, shared I, gate, normalize, T)
 # and the kernels kbit_cute/moe.py counts for it (its docstring lists them).
 KERNEL_CASES = {

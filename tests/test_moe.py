@@ -431,3 +431,15 @@ def test_forward_traces_without_graph_breaks(fuse, gen):
     for T in (5, 7):  # the second T recompiles (dynamic shapes)
         x = rand(gen, T, 64)
         assert torch.equal(compiled(x), m(x))
+
+
+def test_grouped_ops_overlap_must_be_bool(gen):
+    from kbit_cute.grouped_ops import grouped_gemm, moe_gate_up
+
+    ex = quantize_experts(torch.randn(4, 128, 64, generator=gen), 4)
+    A = torch.randn(3, 64, generator=gen)
+    offsets = torch.tensor([0, 1, 3, 3, 3], dtype=torch.int32)
+    assert grouped_gemm(A, ex, offsets, overlap=True).shape == (3, 128)
+    for op in (grouped_gemm, moe_gate_up):
+        with pytest.raises(TypeError, match="overlap must be a bool"):
+            op(A, ex, offsets, overlap=1)

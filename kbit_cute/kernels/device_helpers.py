@@ -348,6 +348,17 @@ def g2s_copy_atom(dtype: type[cutlass.Numeric], through_l1: bool = False):
     )
 
 
+def prefetch_l2(ptr: cute.Pointer, nbytes) -> None:
+    """Start pulling ``nbytes`` of global memory at ``ptr`` into L2 (sm_90 bulk prefetch:
+    16-byte aligned, a multiple of 16 bytes). Nothing is held or waited for; the data is
+    read from L2 later, so a prefetch of data another kernel still writes is harmless."""
+    llvm.inline_asm(
+        None, [ptr.toint().ir_value(), Int32(nbytes).ir_value()],
+        "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    )  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- split-K
 
 

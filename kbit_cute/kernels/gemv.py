@@ -175,6 +175,9 @@ class GemvKernel:
                 f"shared memory per CTA, more than an SM has ({smem_per_sm()}): fewer quads"
             )
         self.ctas_per_sm = max(1, min(65536 // (self.regs * self.threads), smem_per_sm() // smem))
+        # Programmatic dependent launch (sm_90 on): the launch may start while the kernel
+        # before it still runs; ``wait_previous`` before any memory access keeps it safe.
+        self.pdl = target_arch_family() == "sm_90"
 
     @staticmethod
     def lookup_fits(lookup: str, k: int) -> bool:
@@ -215,14 +218,16 @@ class GemvKernel:
         mA = cute.make_tensor(pA, cute.make_layout((M, K), stride=(K, 1)))
         mOut = cute.make_tensor(pOut, cute.make_layout((M, N), stride=(N, 1)))
         mWs = cute.make_tensor(
-            pWorkspace, cute.make_layout((TILE_N, self.m, 2 * workers), stride=(1, TILE_N, self.m * TILE_N))
+            pWorkspace,
+            cute.make_layout((TILE_N, self.m, 2 * workers), stride=(1, TILE_N, self.m * TILE_N)),
         )
         self.kernel(
             mA, mW, mS, pCodebook, pScale, pBias, mOut, mWs, pCounters, n_tiles, k_tiles, workers,
             has_bias,
         ).launch(
             grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream,
-            min_blocks_per_mp=self.ctas_per_sm if self.bound_regs else 0, preferred_smem_carveout=-1,
+            min_blocks_per_mp=self.ctas_per_sm if self.bound_regs else 0,
+            preferred_smem_carveout=-1, use_pdl=self.pdl,
         )  # fmt: skip
 
     @cute.kernel
@@ -254,6 +259,9 @@ class GemvKernel:
         # of each row tile; its K run in a tile is block kb = t / 2, half h = t % 2.
         g, t = lane // 4, lane % 4
 
+        # The launch overlaps the previous kernel's tail; the next one's may overlap ours.
+        self.wait_previous()
+        self.let_next_start()
         smem = SmemAllocator()
         ctx = self.make_mainloop(smem, pCodebook, t)  # (the pair table syncs the CTA)
         acc = ctx[-1]
@@ -279,6 +287,20 @@ class GemvKernel:
                     acc, pScale, pBias, mOut, mWs, pCounters, has_bias, nt, wn, t, slot,
                     (units, workers, k_tiles),
                 )  # fmt: skip
+
+    @cute.jit
+    def wait_previous(self):
+        """Wait until the kernel before this one on the stream has finished and its writes
+        are visible (a no-op without programmatic dependent launch)."""
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+
+    @cute.jit
+    def let_next_start(self):
+        """Let the next kernel on the stream launch (its CTAs wait as ``wait_previous``
+        does). Called once this CTA has waited, so the chain of waits stays transitive."""
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
 
     def stage_words(self) -> int:
         """Int32 words of one warp's ring stage: its 32 columns' plane words for both
@@ -585,7 +607,9 @@ class GemvKernel:
                 # w_lo wrote slot 2 w_lo if its run starts at this tile, else 2 w_lo + 1 (its
                 # last strip); every later worker starts here: slot 2 w.
                 first_slot = 2 * w_lo + Int32(_run_start(w_lo, units, workers) < nt * k_tiles)
-                self.reduce_strip(mWs, scale, mBias, mOut, has_bias, nt, wn, first_slot, w_hi - w_lo)
+                self.reduce_strip(
+                    mWs, scale, mBias, mOut, has_bias, nt, wn, first_slot, w_hi - w_lo
+                )
 
     @cute.jit
     def reduce_strip(self, mWs, scale, mBias, mOut, has_bias, nt, wn, first_slot, later):

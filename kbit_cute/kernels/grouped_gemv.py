@@ -18,6 +18,15 @@ shared-memory ring of K tiles in flight); what this module adds is the work list
 * Split-K: as the GEMV, fp32 partials in a workspace (slot, group, pass, split, row, col) and
   a self-resetting counter per (slot, group); the last CTA sums them in split order, so
   results are bit-identical run to run.
+* Overlap (sm_90, programmatic dependent launch): a launch may start while the kernel before
+  it on the stream still runs. Everything waits for that kernel (``griddepcontrol.wait``)
+  before it touches memory, and a CTA lets the next launch start after its K loops, so that
+  the next grid's CTAs land on SMs as these leave (evenly). With ``overlap`` set the caller
+  vouches that the offsets and the weights were written before the previous kernel: the
+  CTA finds its expert, loads its codebook and prefetches its weight range into L2 first,
+  then waits, then lets the next launch start at once. At decode this hides the launch,
+  the expert scan and the weights' DRAM latency behind the kernel before. Every CTA lets
+  the next launch start only after it has waited, so the chain of waits is transitive.
 """
 
 from __future__ import annotations
@@ -28,19 +37,20 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..format import TILE_K, TILE_N
+from ..format import BLOCKS_PER_TILE_K, TILE_K, TILE_N
 from ..layouts import weight_absmax_layout, weight_words_layout
 from .device_helpers import (
+    prefetch_l2,
     split_k_arrive,
     sum_split_partials,
 )
 from .gemv import (
     _DTYPES,
     COLS_PER_GROUP,
+    LOOKUP,
     MMA_N,
     ROW_TILES,
     WARPS,
-    LOOKUP,
     GemvKernel,
     smem_per_sm,
 )
@@ -66,7 +76,8 @@ class GroupedGemvKernel(GemvKernel):
     """Compile-time config: bits ``k``, activation dtype, ``gate_up`` (fused SiLU(g) * u)."""
 
     def __init__(self, k: int, dtype: type[cutlass.Numeric], gate_up: bool, stages=None):
-        # Register lookups, one quad of column warps per CTA (the epilogues assume it).
+        # Register lookups, one quad of column warps per CTA (a 64 KB pair table per CTA
+        # would cost CTAs per SM; measured: a second quad on the CTA's K tiles gains nothing).
         super().__init__(k, ROWS_PER_PASS, dtype, stages, lookup=LOOKUP[k], quads=1)
         self.gate_up = gate_up
         # Register cap: as many CTAs per SM as the shared-memory rings allow on the target
@@ -94,6 +105,7 @@ class GroupedGemvKernel(GemvKernel):
         slots: Int32,
         max_passes: Int32,  # workspace passes: ceil(max rows per expert / 8)
         splits: Int32,
+        overlap: Int32,  # nonzero: offsets and weights may be read before the wait
         stream: cuda.CUstream,
     ):
         K = cute.assume(K, divby=32)
@@ -114,10 +126,11 @@ class GroupedGemvKernel(GemvKernel):
         mScale = cute.make_tensor(pScale, cute.make_layout(E))
         self.kernel(
             mA, mW, mS, pCodebook, mScale, mOff, mOut, pWorkspace, pCounters,
-            n_tiles, k_tiles, inter, groups, max_passes, splits,
+            n_tiles, k_tiles, inter, groups, max_passes, splits, overlap,
         ).launch(
             grid=[groups, splits, slots], block=[self.threads, 1, 1], stream=stream,
             min_blocks_per_mp=self.min_ctas_per_sm, preferred_smem_carveout=-1,
+            use_pdl=self.pdl,
         )  # fmt: skip
 
     @cute.kernel
@@ -138,8 +151,8 @@ class GroupedGemvKernel(GemvKernel):
         groups: Int32,
         max_passes: Int32,
         splits: Int32,
+        overlap: Int32,
     ):
-        k = self.k
         tidx, _, _ = cute.arch.thread_idx()
         group, split, slot = cute.arch.block_idx()
         warp, lane = tidx // 32, tidx % 32
@@ -156,6 +169,8 @@ class GroupedGemvKernel(GemvKernel):
             byte_alignment=16,
         )
 
+        if overlap == 0:
+            self.wait_previous()
         self.find_expert(mOff, slot, sScan)
         expert = sScan[WARPS]
         row_begin = sScan[WARPS + 1]
@@ -175,7 +190,7 @@ class GroupedGemvKernel(GemvKernel):
                 lay = cta_column_layout(False)
             col0 = cta_col + cute.crd2idx((g, 0, 0, warp), lay)
             absmax_bytes = n_tiles * k_tiles * TILE_N * (TILE_K // 32)
-            words = absmax_bytes * k
+            words = absmax_bytes * self.k
             # Every expert's words and absmax start 1 KB apart at least (whole repack tiles).
             w_first = cute.assume(Int64(expert) * Int64(words), divby=TILE_N)
             s_first = cute.assume(Int64(expert) * Int64(absmax_bytes), divby=TILE_N)
@@ -187,6 +202,10 @@ class GroupedGemvKernel(GemvKernel):
 
             ctx = self.make_mainloop(smem, pCodebook, t)
             acc = ctx[-1]
+            if overlap != 0:
+                self.prefetch_weights(mWe, mSe, cta_col, inter, kt_begin, kt_end)
+                self.wait_previous()
+                self.let_next_start()
             mWs = cute.make_tensor(
                 pWorkspace,
                 cute.make_layout(
@@ -211,12 +230,35 @@ class GroupedGemvKernel(GemvKernel):
                 self.pass_epilogue(
                     acc, scale, mOut, mWs, sOut, splits, p, row_begin, left, cta_col, t
                 )
+            if overlap == 0:
+                self.let_next_start()
 
             if splits > 1:
                 if split_k_arrive(pCounters + slot * groups + group, splits, sFlag) != 0:
                     self.reduce_splits(mWs, scale, mOut, sFlag, splits, done, row_begin, cta_col)
                 if split == 0 and rows > done:
                     self.poison_rows(mOut, row_begin + done, rows - done, cta_col)
+
+    @cute.jit
+    def prefetch_weights(self, mWe, mSe, cta_col, inter, kt_begin, kt_end):
+        """Bulk L2 prefetch of the CTA's weights in K tiles kt_begin..kt_end: its columns
+        are two runs of 64 (dense: adjacent; gate/up: the gate run and the up run), each a
+        contiguous range of words and of absmax bytes per K tile."""
+        if cutlass.const_expr(self.pdl):
+            tidx, _, _ = cute.arch.thread_idx()
+            run = GATE_UP_COLS  # columns per run
+            jobs = (kt_end - kt_begin) * 4  # (K tile, run, words | absmax)
+            for j in cutlass.range(tidx, jobs, self.threads, unroll=1):
+                kt = kt_begin + j // 4
+                second = (j // 2) % 2
+                col = cta_col + second * (inter if cutlass.const_expr(self.gate_up) else run)
+                tile_col = (col % TILE_N, col // TILE_N)
+                if j % 2 == 0:
+                    off = cute.crd2idx((tile_col, (0, kt), 0), mWe.layout)
+                    prefetch_l2(mWe.iterator + off, run * BLOCKS_PER_TILE_K * self.k * 4)
+                else:
+                    off = cute.crd2idx((tile_col, (0, kt)), mSe.layout)
+                    prefetch_l2(mSe.iterator + off, run * BLOCKS_PER_TILE_K)
 
     @cute.jit
     def find_expert(self, mOff: cute.Tensor, slot: Int32, sScan: cute.Tensor):
@@ -227,8 +269,9 @@ class GroupedGemvKernel(GemvKernel):
         warp, lane = tidx // 32, tidx % 32
         E = cute.size(mOff) - 1
         per_round = self.threads * SCAN_PER_THREAD
+        W = WARPS
         if tidx == 0:
-            sScan[WARPS] = Int32(-1)
+            sScan[W] = Int32(-1)
         base = Int32(0)  # busy experts before this round
         for first in cutlass.range(0, E, per_round, unroll=1):
             e0 = first + tidx * SCAN_PER_THREAD
@@ -259,9 +302,9 @@ class GroupedGemvKernel(GemvKernel):
             for j in cutlass.range_constexpr(SCAN_PER_THREAD):
                 if busy[j] != 0:
                     if rank == slot:
-                        sScan[WARPS] = e0 + j
-                        sScan[WARPS + 1] = bounds[j]
-                        sScan[WARPS + 2] = bounds[j + 1] - bounds[j]
+                        sScan[W] = e0 + j
+                        sScan[W + 1] = bounds[j]
+                        sScan[W + 2] = bounds[j + 1] - bounds[j]
                     rank = rank + 1
             base = base + total
             cute.arch.sync_threads()  # the warp totals are read before the next round
@@ -342,7 +385,8 @@ class GroupedGemvKernel(GemvKernel):
 
 
 def grouped_gemv_spec(k: int, dtype: str, gate_up: bool, stages: int | None = None):
-    """The compiled variant of ``GroupedGemvKernel`` (bits, dtype name, fused gate/up)."""
+    """The compiled variant of ``GroupedGemvKernel`` (bits, dtype name, fused gate/up;
+    ``stages`` overrides the ring depth, for tuning)."""
     from ..compile import KernelSpec, fake_ptr, fake_stream
 
     def build():
@@ -351,7 +395,7 @@ def grouped_gemv_spec(k: int, dtype: str, gate_up: bool, stages: int | None = No
             fake_ptr(dt), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Uint8),
             fake_ptr(cutlass.Float32), fake_ptr(cutlass.Float32, 4), fake_ptr(cutlass.Int32, 4),
             fake_ptr(dt, 2), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int32, 4),
-            Int32(1), Int32(128), Int32(64), Int32(1), Int32(1), Int32(1), Int32(1),
+            Int32(1), Int32(128), Int32(64), Int32(1), Int32(1), Int32(1), Int32(1), Int32(0),
             fake_stream(),
         )  # fmt: skip
         return GroupedGemvKernel(k, dt, gate_up, stages), args
