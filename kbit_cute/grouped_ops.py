@@ -20,8 +20,8 @@ while the kernel before it on the stream still runs; it reads ``A`` and writes `
 after that kernel has finished. The caller vouches that the kernel launched just before
 did not write the offsets or the weights: true in a MoE layer (gate_up after the row
 gather, down after gate_up), not for offsets computed by the kernel right before. Only
-launches whose experts fit ``_PREFETCH_LIMIT`` prefetch (decode's few tokens): more bytes
-would be evicted from L2 by the running kernel's stream before they are used.
+launches whose experts fit ``_SMALL_LAUNCH_BYTES`` prefetch (decode's few tokens): more
+bytes would be evicted from L2 by the running kernel's stream before they are used.
 """
 
 from __future__ import annotations
@@ -195,8 +195,11 @@ def grouped_splits(items: int, k_tiles: int, sm_count: int) -> int:
 
 # Split-K workspace budget: beyond it the split count drops (fp32 partials of every row).
 _WORKSPACE_LIMIT = 64 << 20
-# ``overlap``: the most expert bytes a launch prefetches into L2 (a third of the H100's).
-_PREFETCH_LIMIT = 16 << 20
+# A launch whose experts hold at most this many bytes (a third of the H100's L2) is a
+# decode launch: with ``overlap`` it prefetches them into L2 (more would be evicted by the
+# running kernel's stream before use), and its ring is deeper (``DECODE_STAGES``).
+_SMALL_LAUNCH_BYTES = 16 << 20
+_DECODE_STAGES = 5  # kernels.grouped_gemv.DECODE_STAGES (not imported: keeps cutlass lazy)
 
 
 _launchers: dict[tuple, object] = {}
@@ -219,6 +222,9 @@ def _launch(
     per_split = slots * groups * passes * ROWS_PER_PASS * _CTA_COLS
     while splits > 1 and per_split * splits * 4 > _WORKSPACE_LIMIT:
         splits //= 2
+    expert_bytes = (packed.numel() * 4 + absmax.numel()) // E
+    small = slots * expert_bytes <= _SMALL_LAUNCH_BYTES
+    stages = stages or (_DECODE_STAGES if small else None)
     key = (k, A.dtype, gate_up, stages)
     fn = _launchers.get(key)
     if fn is None:
@@ -232,8 +238,7 @@ def _launch(
     ws, counters = _split_scratch(
         dev, current_raw_stream(dev), per_split * splits if splits > 1 else 1, slots * groups
     )
-    expert_bytes = (packed.numel() * 4 + absmax.numel()) // E
-    prefetch = overlap and slots * expert_bytes <= _PREFETCH_LIMIT
+    prefetch = overlap and small
     fn(A, packed, absmax, codebook, scale, offsets, out, ws, counters,
        R, N, K, E, slots, passes, splits, int(prefetch))  # fmt: skip
 

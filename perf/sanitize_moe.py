@@ -1,5 +1,6 @@
 """Grouped expert kernel calls per k that exercise every path (idle experts, an expert with
-more than 8 rows, split-K with several passes, the fused gate/up epilogue), for
+more than 8 rows, split-K with several passes, the fused gate/up epilogue, launches that
+overlap the kernel before them), for
 ``compute-sanitizer --tool memcheck|racecheck python -m perf.sanitize_moe``."""
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ def main() -> None:
             A = torch.randn(T, H, device="cuda", dtype=dtype)[order // top_k]
             h = torch.empty(T * top_k, inter, device="cuda", dtype=dtype)
             y = torch.empty(T * top_k, H, device="cuda", dtype=dtype)
-            for splits in (1, 2):
-                _grouped(True, A, gate_up, offsets, h, T, splits)
-                _grouped(False, h, down, offsets, y, T, splits)
+            # overlap: the down launch finds its experts and prefetches before it waits;
+            # stages: these launches are small (the decode ring), 3 = the default ring
+            for splits, overlap, stages in ((1, False, None), (2, True, None), (2, False, 3)):
+                _grouped(True, A, gate_up, offsets, h, T, splits, stages, overlap)
+                _grouped(False, h, down, offsets, y, T, splits, stages, overlap)
     torch.cuda.synchronize()
     print("sanitize_moe: done")
 

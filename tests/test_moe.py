@@ -443,3 +443,13 @@ def test_grouped_ops_overlap_must_be_bool(gen):
     for op in (grouped_gemm, moe_gate_up):
         with pytest.raises(TypeError, match="overlap must be a bool"):
             op(A, ex, offsets, overlap=1)
+
+
+def test_grouped_ops_mirrors_the_kernel_constants():
+    """grouped_ops copies kernel constants to keep cutlass out of its import: they must agree."""
+    from kbit_cute import grouped_ops
+    from kbit_cute.kernels import grouped_gemv
+
+    assert grouped_ops.ROWS_PER_PASS == grouped_gemv.ROWS_PER_PASS
+    assert grouped_ops._DECODE_STAGES == grouped_gemv.DECODE_STAGES
+    assert grouped_ops._CTA_COLS == grouped_gemv.COLS_PER_GROUP
