@@ -259,9 +259,8 @@ class GemvKernel:
         # of each row tile; its K run in a tile is block kb = t / 2, half h = t % 2.
         g, t = lane // 4, lane % 4
 
-        # The launch overlaps the previous kernel's tail; the next one's may overlap ours.
+        # The launch overlaps the previous kernel's tail (programmatic dependent launch).
         self.wait_previous()
-        self.let_next_start()
         smem = SmemAllocator()
         ctx = self.make_mainloop(smem, pCodebook, t)  # (the pair table syncs the CTA)
         acc = ctx[-1]
@@ -287,6 +286,9 @@ class GemvKernel:
                     acc, pScale, pBias, mOut, mWs, pCounters, has_bias, nt, wn, t, slot,
                     (units, workers, k_tiles),
                 )  # fmt: skip
+        # Only now may the next launch's CTAs come in: resident early, they slowed the
+        # CTAs they shared an SM with (k = 5, 14336x4096: 23 -> 34 us).
+        self.let_next_start()
 
     @cute.jit
     def wait_previous(self):
