@@ -258,6 +258,16 @@ def test_kbit_moe_cuda_graph_replays_new_routings(config, gen):
     assert used[2] == frozenset(range(E - top_k, E)) and len(set(used)) >= 3
 
 
+def captured(step) -> torch.cuda.CUDAGraph:
+    """``step`` once eagerly (compile, load, allocate the workspaces), then captured."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 def test_grouped_ops_cuda_graph_replays_new_offsets(gen, bank):
     """moe_gate_up and grouped_gemm captured once, replayed with new rows and offsets."""
     E, top_k, H, inter = CONFIGS["e512"]
@@ -280,11 +290,7 @@ def test_grouped_ops_cuda_graph_replays_new_offsets(gen, bank):
         grouped_gemm(A_down, down, offsets, out=y, max_rows_per_expert=T)
 
     load("random")
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = captured(step)
     for kind in ("hot", "random", "hot", "random"):
         load(kind)
         h.fill_(float("nan"))
@@ -320,11 +326,7 @@ def test_overlapped_chain_reads_gate_up_output(k, dtype, T, gen, bank):
         grouped_gemm(h, down, offsets, out=y, max_rows_per_expert=T, overlap=True)
 
     load("random")
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = captured(step)
     for kind in ("random", "hot", "random"):
         load(kind)
         y.fill_(float("nan"))

@@ -33,6 +33,10 @@ on the strip's counter; the last of the strip's workers sums the slots in worker
 that crosses a column tile drains and refills its ring there: measured slower) with as
 many workers as fit one wave (``ops.kernel_grid``). The pair table (k <= 4) is shared by
 the quads of a CTA (up to 7, one CTA per SM).
+
+Launch (sm_90): programmatic dependent launch hides the launch behind the previous kernel's
+tail; the kernel waits for that kernel before any memory access and lets the next one start
+only after its strips (earlier, the next grid's CTAs crowded SMs that still worked).
 """
 
 from __future__ import annotations
