@@ -203,16 +203,55 @@ _DECODE_STAGES = 5  # kernels.grouped_gemv.DECODE_STAGES (not imported: keeps cu
 
 
 _launchers: dict[tuple, object] = {}
+# kernels.grouped_gemv.MAX_SLOTS: the stream kernel's table of (expert, 8-row pass) slots.
+_MAX_STREAM_SLOTS = 1024
+
+
+# Tests set this to "stream" or "grid" to run every launch the kernel can serve on it.
+_KERNEL_OVERRIDE: str | None = None
+
+
+def _choose_kernel(slots: int, touched_bytes: int) -> str:
+    """GroupedStreamKernel unless the launch is small or its slots overflow the kernel's
+    table. Measured on the H100 (``python -m perf.moe_kernel_check --kernels stream grid``,
+    Qwen3-Coder-Next experts, k = 4, overlapped chains): stream T = 4 / 16 / 64 37 / 106 /
+    247 us against 44 / 123 / 313; at T = 1 (11 MB) 21.5 against 17.0: the grid kernel's
+    small CTAs start while the kernel before runs and prefetch their weights, the stream
+    kernel's CTA (a whole SM's shared memory) cannot."""
+    fits = slots <= _MAX_STREAM_SLOTS
+    if _KERNEL_OVERRIDE is not None:  # (tests: one kernel wherever it can serve)
+        return _KERNEL_OVERRIDE if fits else "grid"
+    return "stream" if fits and touched_bytes > _SMALL_LAUNCH_BYTES else "grid"
+
+
+def stream_slots(R: int, E: int, rows_bound: int) -> int:
+    """Bound on the (expert, pass of up to 8 rows) work slots of R rows over E experts, no
+    expert with more than ``rows_bound``: sum over busy experts of ceil(rows / 8)."""
+    busy = min(E, R)
+    per_expert = -(-rows_bound // ROWS_PER_PASS)
+    return min((R + 7 * busy) // 8, busy + R // ROWS_PER_PASS, busy * per_expert)
 
 
 def _launch(
     gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, max_rows, out, E,
-    splits=None, stages=None, overlap=False,
+    splits=None, stages=None, overlap=False, kernel=None,
 ):  # fmt: skip
     dev = A.get_device()
     props = _device.check_device(dev)
     R = A.shape[0]
     rows_bound = min(max_rows or R, R)
+    expert_bytes = (packed.numel() * 4 + absmax.numel()) // E
+    stream_slots_bound = stream_slots(R, E, rows_bound)
+    if splits is not None:
+        kernel = "grid"
+    if kernel is None:
+        kernel = _choose_kernel(stream_slots_bound, min(E, R) * expert_bytes)
+    if kernel == "stream" and stream_slots_bound > _MAX_STREAM_SLOTS:
+        raise ValueError(f"{stream_slots_bound} work slots exceed the stream kernel's table")
+    if kernel == "stream":
+        _launch_stream(gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, out, E,
+                       stream_slots_bound, stages, overlap, expert_bytes, props)  # fmt: skip
+        return
     slots = min(E, R)
     groups = -(-(N // 2) // (_CTA_COLS // 2)) if gate_up else -(-N // _CTA_COLS)
     k_tiles = -(-K // 64)
@@ -222,7 +261,6 @@ def _launch(
     per_split = slots * groups * passes * ROWS_PER_PASS * _CTA_COLS
     while splits > 1 and per_split * splits * 4 > _WORKSPACE_LIMIT:
         splits //= 2
-    expert_bytes = (packed.numel() * 4 + absmax.numel()) // E
     small = slots * expert_bytes <= _SMALL_LAUNCH_BYTES
     stages = stages or (_DECODE_STAGES if small else None)
     key = (k, A.dtype, gate_up, stages)
@@ -243,15 +281,43 @@ def _launch(
        R, N, K, E, slots, passes, splits, int(prefetch))  # fmt: skip
 
 
+def _launch_stream(
+    gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, out, E, slots, stages,
+    overlap, expert_bytes, props,
+):  # fmt: skip
+    """``GroupedStreamKernel``: one wave of CTAs; the kernel cuts the work into runs."""
+    dev = A.get_device()
+    key = ("stream", k, A.dtype, gate_up, stages)
+    entry = _launchers.get(key)
+    if entry is None:
+        from .kernels.gemv import _DTYPES
+        from .kernels.grouped_gemv import GroupedStreamKernel, grouped_stream_spec
+
+        dt = _GEMV_DTYPES[A.dtype]
+        kern = GroupedStreamKernel(k, _DTYPES[dt], gate_up, stages)
+        spec = grouped_stream_spec(k, dt, gate_up, stages)
+        entry = _launchers[key] = (launcher(spec), kern.quads, kern.ctas_per_sm)
+    fn, quads, ctas_per_sm = entry
+    ctas = props.sm_count * ctas_per_sm
+    groups = N // 2 // (_CTA_COLS // 2) if gate_up else -(-N // _CTA_COLS)
+    ws, counters = _split_scratch(dev, current_raw_stream(dev),
+                                  2 * ctas * quads * ROWS_PER_PASS * _CTA_COLS,
+                                  slots * groups * 4)  # fmt: skip
+    prefetch = overlap and slots * expert_bytes <= _SMALL_LAUNCH_BYTES
+    fn(A, packed, absmax, codebook, scale, offsets, out, ws, counters,
+       A.shape[0], N, K, E, slots, ctas, int(prefetch))  # fmt: skip
+
+
 def _grouped(
     gate_up, A, ex: KbitExperts, offsets, out, max_rows=0, splits=None, stages=None,
-    overlap=False,
+    overlap=False, kernel=None,
 ):  # fmt: skip
-    """The grouped kernel with an explicit split count / ring depth (checks and tuning)."""
+    """The grouped kernel with an explicit split count / ring depth / ``kernel`` ("stream"
+    or "grid"; an explicit split count means "grid"), for checks and tuning."""
     E, _ = _check_args(gate_up, A, ex.packed, ex.absmax, ex.codebook, ex.scale, offsets,
                        ex.k, ex.N, ex.K, out)  # fmt: skip
     _launch(gate_up, A, ex.packed, ex.absmax, ex.codebook, ex.scale, offsets, ex.k, ex.N,
-            ex.K, max_rows, out, E, splits, stages, overlap)  # fmt: skip
+            ex.K, max_rows, out, E, splits, stages, overlap, kernel)  # fmt: skip
     return out
 
 

@@ -86,7 +86,7 @@ def check(ks) -> list:
     return rows
 
 
-def timing(ks, Ts, split_list, stage_list, dtype) -> list:
+def timing(ks, Ts, split_list, stage_list, dtype, kernels=(None,)) -> list:
     """Qwen3-Coder-Next experts (E=512, top-10, H=2048, I=512): gate_up and down per T."""
     E, top_k, H, inter = 512, 10, 2048, 512
     bw = read_bandwidth_gbs()
@@ -107,12 +107,15 @@ def timing(ks, Ts, split_list, stage_list, dtype) -> list:
                 routings.append((offsets, A, h, y, touched))
             touched = sum(r[4] for r in routings) / len(routings)
             nbytes = touched * (gate_up.nbytes_per_expert + down.nbytes_per_expert)
-            for splits, stages in [(s, st) for s in split_list for st in stage_list]:
+            combos = [(s, st, kn) for s in split_list for st in stage_list for kn in kernels]
+            for splits, stages, kern in combos:
+                if splits is not None and kern == "stream":
+                    continue
 
-                def make(i, which, s=splits, st=stages):
+                def make(i, which, s=splits, st=stages, kn=kern):
                     off, A, h, y, _ = routings[i % len(routings)]
-                    up = lambda ov: _grouped(True, A, gate_up, off, h, T, s, st, ov)  # noqa: E731
-                    dn = lambda ov: _grouped(False, h, down, off, y, T, s, st, ov)  # noqa: E731
+                    up = lambda ov: _grouped(True, A, gate_up, off, h, T, s, st, ov, kn)  # noqa: E731
+                    dn = lambda ov: _grouped(False, h, down, off, y, T, s, st, ov, kn)  # noqa: E731
                     if which == "gate_up":
                         return lambda: up(False)
                     if which == "down":
@@ -124,7 +127,7 @@ def timing(ks, Ts, split_list, stage_list, dtype) -> list:
                       ("gate_up", "down", "chain", "chain overlap")}  # fmt: skip
                 total = us["chain overlap"]
                 floor = nbytes / bw / 1e3
-                rows.append([k, T, splits or "auto", stages or "default", round(touched, 1), f"{us['gate_up']:.1f}",
+                rows.append([k, T, kern or "auto", splits or "auto", stages or "default", round(touched, 1), f"{us['gate_up']:.1f}",
                              f"{us['down']:.1f}", f"{us['chain']:.1f}", f"{total:.1f}",
                              f"{floor:.1f}", f"{total / (floor + 5):.2f}"])  # fmt: skip
     return rows
@@ -138,6 +141,14 @@ def main():
     p.add_argument("--stages", type=int, nargs="+", default=[0])
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--time-k", type=int, nargs="+", default=[4])
+    p.add_argument(
+        "--kernels",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "stream", "grid"],
+        help="grouped kernel: the dispatch's choice, or GroupedStreamKernel / "
+        "GroupedGemvKernel (explicit split counts always run the latter)",
+    )
     args = p.parse_args()
     out = {}
     if not args.no_check:
@@ -147,12 +158,13 @@ def main():
                                       "rel err", "nan", "ok"]))  # fmt: skip
     splits = [s or None for s in args.splits]
     stages = [s or None for s in args.stages]
-    rows = timing(args.time_k, args.T, splits, stages, torch.bfloat16)
+    kernels = [None if kn == "auto" else kn for kn in args.kernels]
+    rows = timing(args.time_k, args.T, splits, stages, torch.bfloat16, kernels)
     out["timing"] = rows
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "moe_kernel_check.json"), "w") as f:
             json.dump(out, f, indent=1, default=str)
-    print(tabulate(rows, headers=["k", "T", "splits", "stages", "experts", "gate_up us", "down us",
+    print(tabulate(rows, headers=["k", "T", "kernel", "splits", "stages", "experts", "gate_up us", "down us",
                                   "both us", "overlap us", "floor us", "overlap/(floor+5)"]))  # fmt: skip
 
 

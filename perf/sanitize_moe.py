@@ -1,6 +1,6 @@
 """Grouped expert kernel calls per k that exercise every path (idle experts, an expert with
 more than 8 rows, split-K with several passes, the fused gate/up epilogue, launches that
-overlap the kernel before them), for
+overlap the kernel before them; both GroupedGemvKernel and GroupedStreamKernel), for
 ``compute-sanitizer --tool memcheck|racecheck python -m perf.sanitize_moe``."""
 
 from __future__ import annotations
@@ -27,8 +27,12 @@ def main() -> None:
             # overlap: the down launch finds its experts and prefetches before it waits;
             # stages: these launches are small (the decode ring), 3 = the default ring
             for splits, overlap, stages in ((1, False, None), (2, True, None), (2, False, 3)):
-                _grouped(True, A, gate_up, offsets, h, T, splits, stages, overlap)
-                _grouped(False, h, down, offsets, y, T, splits, stages, overlap)
+                _grouped(True, A, gate_up, offsets, h, T, splits, stages, overlap, "grid")
+                _grouped(False, h, down, offsets, y, T, splits, stages, overlap, "grid")
+            # GroupedStreamKernel: split strips (T = 1) and runs that cross strips (T = 20)
+            for overlap in (False, True):
+                _grouped(True, A, gate_up, offsets, h, T, overlap=overlap, kernel="stream")
+                _grouped(False, h, down, offsets, y, T, overlap=overlap, kernel="stream")
     torch.cuda.synchronize()
     print("sanitize_moe: done")
 

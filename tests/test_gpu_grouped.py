@@ -56,6 +56,14 @@ class _Bank:
         return self.cache[key]
 
 
+@pytest.fixture(params=("stream", "grid"))
+def kernel(request, monkeypatch):
+    """Every launch on GroupedStreamKernel (where its slot table holds the launch) or on
+    GroupedGemvKernel, whatever the dispatch would pick for these small experts."""
+    monkeypatch.setattr(kbit_cute.grouped_ops, "_KERNEL_OVERRIDE", request.param)
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def bank():
     b = _Bank()
@@ -126,14 +134,14 @@ def check_both_ops(E, top_k, H, inter, k, T, dtype, kind, gen, bank, bound="T"):
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("T", (1, 4, 16, 64, 512))
 @pytest.mark.parametrize("config", ("e512", "e64"))
-def test_grouped_ops_match_reference(config, T, k, dtype, gen, bank):
+def test_grouped_ops_match_reference(config, T, k, dtype, gen, bank, kernel):
     check_both_ops(*CONFIGS[config], k, T, dtype, "random", gen, bank)
 
 
 @pytest.mark.parametrize("kind", ("hot", "one"))
 @pytest.mark.parametrize("k", (3, 4))
 @pytest.mark.parametrize("T", (4, 512))
-def test_hot_expert_and_idle_experts(T, k, kind, gen, bank):
+def test_hot_expert_and_idle_experts(T, k, kind, gen, bank, kernel):
     E, top_k, H, inter = CONFIGS["e512"]
     check_both_ops(E, 1 if kind == "one" else top_k, H, inter, k, T, torch.bfloat16, kind,
                    gen, bank)  # fmt: skip
@@ -141,7 +149,7 @@ def test_hot_expert_and_idle_experts(T, k, kind, gen, bank):
 
 @pytest.mark.parametrize("bound", ("none", "T", "2T"))
 @pytest.mark.parametrize("T", (4, 64))
-def test_max_rows_per_expert_given_or_not(T, bound, gen, bank):
+def test_max_rows_per_expert_given_or_not(T, bound, gen, bank, kernel):
     check_both_ops(*CONFIGS["e64"], 4, T, torch.float16, "hot", gen, bank, bound=bound)
 
 
@@ -268,7 +276,7 @@ def captured(step) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def test_grouped_ops_cuda_graph_replays_new_offsets(gen, bank):
+def test_grouped_ops_cuda_graph_replays_new_offsets(gen, bank, kernel):
     """moe_gate_up and grouped_gemm captured once, replayed with new rows and offsets."""
     E, top_k, H, inter = CONFIGS["e512"]
     T, k, dtype = 16, 3, torch.float16
@@ -306,7 +314,7 @@ def test_grouped_ops_cuda_graph_replays_new_offsets(gen, bank):
 @pytest.mark.parametrize("T", [1, 16])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", KS)
-def test_overlapped_chain_reads_gate_up_output(k, dtype, T, gen, bank):
+def test_overlapped_chain_reads_gate_up_output(k, dtype, T, gen, bank, kernel):
     """moe_gate_up -> grouped_gemm with ``overlap``: the down launch starts early (finds its
     experts, prefetches weights) yet reads gate_up's output only once written. Replayed in a
     graph with new rows and routings: the same bits as the eager calls without overlap."""

@@ -119,6 +119,8 @@ def gemv_mma(dtype: type[cutlass.Numeric]):
 class GemvKernel:
     """Compile-time config: bits ``k``, rows bucket ``m`` (1, 2, 4 or 8), activation dtype."""
 
+    MAX_QUADS = 7  # quads per CTA sharing a pair table (8, at 64 registers, spilled)
+
     def __init__(
         self,
         k: int,
@@ -127,7 +129,9 @@ class GemvKernel:
         stages: int | None = None,
         lookup: str | None = None,
         quads: int | None = None,
+        extra_smem: int = 0,
     ):
+        """``extra_smem``: shared-memory bytes a subclass's kernel adds per CTA."""
         self.k, self.m, self.dtype = k, m, dtype
         # K tiles in flight per warp, in its shared-memory ring (see STAGES).
         self.stages = stages or STAGES[k]
@@ -155,7 +159,8 @@ class GemvKernel:
             quads = 1
             if self.lookup == "pair_table":
                 ring = 4 * self.stage_words() * self.stages * WARPS
-                quads = max(1, min(7, (smem_per_sm() - PAIR_TABLE_BYTES - 1024) // ring))
+                room = smem_per_sm() - PAIR_TABLE_BYTES - 1024 - extra_smem
+                quads = max(1, min(self.MAX_QUADS, room // ring))
         self.quads = quads
         self.warps = WARPS * quads
         self.threads = 32 * self.warps
@@ -171,7 +176,8 @@ class GemvKernel:
         else:
             self.regs = 72 if k == 5 or (k, m) == (4, 8) else 64
             self.bound_regs = k != 2
-        smem = 4 * self.stage_words() * self.stages * self.warps + 1024  # + the reserved 1 KB
+        # + the reserved 1 KB
+        smem = 4 * self.stage_words() * self.stages * self.warps + 1024 + extra_smem
         smem += PAIR_TABLE_BYTES if self.lookup == "pair_table" else 0
         if smem > smem_per_sm():
             raise ValueError(
@@ -272,6 +278,8 @@ class GemvKernel:
         # every SM that has a CTA.
         worker = quad * ctas + cta
         if worker < workers:
+            scale = cute.make_tensor(pScale, cute.make_layout(1))[0]
+            mBias = cute.make_tensor(pBias, cute.make_layout(mOut.shape[1]))
             units = n_tiles * k_tiles
             u_begin = _run_start(worker, units, workers)
             u_end = _run_start(worker + 1, units, workers)
@@ -286,10 +294,10 @@ class GemvKernel:
                 # M-1 (finite values, never stored).
                 self.mainloop(mA, mW, mS, col0, (Int32(0), M), t, kt_begin, kt_end, ctx)
                 slot = 2 * worker + Int32(nt != nt_first)
+                epi = (scale, mBias, mOut, has_bias, nt)
                 self.finish_strip(
-                    acc, pScale, pBias, mOut, mWs, pCounters, has_bias, nt, wn, t, slot,
-                    (units, workers, k_tiles),
-                )  # fmt: skip
+                    acc, epi, mWs, pCounters, nt, wn, t, slot, (units, workers, k_tiles)
+                )
         # Only now may the next launch's CTAs come in: resident early, they slowed the
         # CTAs they shared an SM with (k = 5, 14336x4096: 23 -> 34 us).
         self.let_next_start()
@@ -373,9 +381,11 @@ class GemvKernel:
                 cute.autovec_copy(four, cute.make_tensor(dst, cute.make_layout(4)))
 
     @cute.jit
-    def mainloop(self, mA, mW, mS, col0, rows, t, kt_begin, kt_end, ctx):
+    def mainloop(self, mA, mW, mS, col0, rows, t, kt_begin, kt_end, ctx, second=None):
         """acc += K tiles kt_begin..kt_end of the thread's columns times the activations of
         ``rows`` = (first row, count): mma column g takes row first + min(g, count - 1).
+        The warp's 32 columns are col0 - g onwards, or with ``second`` two runs of 16: that
+        many, then 16 from column ``second`` (the grouped gate/up kernel: gate, then up).
 
         Each warp streams its own 32 columns through its shared-memory ring: cp.async
         copies run stages - 1 K tiles ahead while the warp dequantizes the current one from
@@ -385,11 +395,13 @@ class GemvKernel:
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
         g = lane // 4
         warp_ring = ring.iterator + cute.assume(warp * (S * sw), divby=CHUNK_WORDS)
-        wcol = col0 - g  # the warp's first column, 32-aligned: (column in tile, tile) once
-        in_tile, n_tile = wcol % TILE_N, wcol // TILE_N
+        wcol = col0 - g  # the warp's first column, 16-aligned: (column in tile, tile) once
+        cols = [(wcol % TILE_N, wcol // TILE_N)]
+        if cutlass.const_expr(second is not None):
+            cols.append((second % TILE_N, second // TILE_N))
         for s in cutlass.range_constexpr(S - 1):
             if kt_begin + s < kt_end:
-                self.copy_tile(mA, mW, mS, in_tile, n_tile, rows, kt_begin + s, warp_ring + s * sw)
+                self.copy_tile(mA, mW, mS, cols, rows, kt_begin + s, warp_ring + s * sw)
             cute.arch.cp_async_commit_group()
         read = Int32(0)
         for kt in cutlass.range(kt_begin, kt_end, unroll=1):
@@ -402,7 +414,7 @@ class GemvKernel:
                 write = write - S
             if kt + S - 1 < kt_end:
                 dst = warp_ring + cute.assume(write * sw, divby=CHUNK_WORDS)
-                self.copy_tile(mA, mW, mS, in_tile, n_tile, rows, kt + S - 1, dst)
+                self.copy_tile(mA, mW, mS, cols, rows, kt + S - 1, dst)
             cute.arch.cp_async_commit_group()
             self.mma_tile(buf, codebook, half_select, atom, frag_a, frag_b, acc)
             read = read + 1
@@ -421,11 +433,12 @@ class GemvKernel:
         )
 
     @cute.jit
-    def copy_tile(self, mA, mW, mS, in_tile, n_tile, rows, kt, dst):
+    def copy_tile(self, mA, mW, mS, cols, rows, kt, dst):
         """cp.async of K tile kt of the warp's 32 columns into the ring stage at ``dst``:
         [plane words: (col, kb, bit), contiguous in the tiled format | absmax: (col, kb) |
-        activation rows: (K, row)]. Activations past K are zero-filled (the padded weights
-        there are zero, and A must not be NaN)."""
+        activation rows: (K, row)]. ``cols``: [(column in tile, tile)] of the warp's first
+        column, or of its two runs of 16 (each contiguous in the format). Activations past
+        K are zero-filled (the padded weights there are zero, and A must not be NaN)."""
         k = self.k
         lane = cute.arch.lane_idx()
         first_row, n_rows = rows
@@ -433,22 +446,32 @@ class GemvKernel:
         g2s = g2s_copy_atom(Int32)
         # Activations: the other warps of the CTA read the same rows, so through L1.
         g2s_l1 = g2s_copy_atom(Int32, through_l1=True)
-        w_first = cute.crd2idx(((in_tile, n_tile), (0, kt), 0), mW.layout)
         w_chunks = WARP_COLS * BLOCKS_PER_TILE_K * k // CHUNK_WORDS
+        s_chunks = ABSMAX_WORDS // CHUNK_WORDS
+        w_first = [cute.crd2idx((col, (0, kt), 0), mW.layout) for col in cols]
+        s_first = [cute.crd2idx((col, (0, kt)), mS.layout) for col in cols]
+        runs = len(cols)
         for i in cutlass.range_constexpr((w_chunks + 31) // 32):
             c = lane + 32 * i
-            src = mW.iterator + cute.assume(w_first + c * 4, divby=4)
+            if cutlass.const_expr(runs == 1):
+                w_src = w_first[0] + c * 4
+            else:  # chunks of the second run of 16 columns start half-way
+                w_src = w_first[0] + c * 4
+                if c >= w_chunks // 2:
+                    w_src = w_first[1] + (c - w_chunks // 2) * 4
+            src = mW.iterator + cute.assume(w_src, divby=4)
             chunk_dst = dst + cute.assume(c * 4, divby=4)
             if cutlass.const_expr(32 * (i + 1) <= w_chunks):  # every lane has a chunk
                 _copy_chunk(g2s, src, chunk_dst)
             elif c < w_chunks:
                 _copy_chunk(g2s, src, chunk_dst)
-        s_first = cute.crd2idx(((in_tile, n_tile), (0, kt)), mS.layout)
         s_dst = dst + 4 * w_chunks
-        if lane < ABSMAX_WORDS // CHUNK_WORDS:
-            src = cute.recast_ptr(
-                mS.iterator + cute.assume(s_first + lane * 16, divby=16), dtype=Int32
-            )
+        if lane < s_chunks:
+            s_src = s_first[0] + lane * 16
+            if cutlass.const_expr(runs == 2):
+                if lane >= s_chunks // 2:
+                    s_src = s_first[1] + (lane - s_chunks // 2) * 16
+            src = cute.recast_ptr(mS.iterator + cute.assume(s_src, divby=16), dtype=Int32)
             _copy_chunk(g2s, src, s_dst + cute.assume(lane * 4, divby=4))
         a_dst = s_dst + ABSMAX_WORDS
         a_chunks = self.m * A_ROW_WORDS // CHUNK_WORDS
@@ -579,46 +602,55 @@ class GemvKernel:
         return prmt(act[ea // 2], act[eb // 2], pair_selector(ea % 2, eb % 2))
 
     @cute.jit
-    def finish_strip(
-        self, acc, pScale, pBias, mOut, mWs, pCounters, has_bias, nt, wn, t, slot, plan
-    ):
-        """Output of the warp's strip (32 columns of column tile nt) after its K run: stored
-        if the run covered all K, else a partial in workspace slot ``slot``; the strip's
-        last worker to arrive sums all partials in worker order and stores.
+    def finish_strip(self, acc, epi, mWs, pCounters, strip, wn, t, slot, plan):
+        """Output of the warp's strip (32 columns of schedule strip ``strip``) after its K
+        run: stored if the run covered all K (``store_fragment``), else a partial in
+        workspace slot ``slot``; the strip's last worker to arrive sums all partials in
+        worker order and stores (``store_columns``). ``epi``: what the stores need.
         C fragment: acc[r][i] is column 16 r + 8 (i // 2) + g of the strip, row 2 t + i % 2."""
         units, workers, k_tiles = plan
         lane = cute.arch.lane_idx()
-        scale = cute.make_tensor(pScale, cute.make_layout(1))[0]
-        M, N = mOut.shape
-        mBias = cute.make_tensor(pBias, cute.make_layout(N))
-        # Workers whose runs meet this column tile: w_lo holds its first K tile, w_hi its last.
-        w_lo = _worker_of(nt * k_tiles, units, workers)
-        w_hi = _worker_of(nt * k_tiles + k_tiles - 1, units, workers)
-        in_tile0 = wn * WARP_COLS + lane // 4
+        # Workers whose runs meet this strip: w_lo holds its first K tile, w_hi its last.
+        w_lo = _worker_of(strip * k_tiles, units, workers)
+        w_hi = _worker_of(strip * k_tiles + k_tiles - 1, units, workers)
         if w_lo == w_hi:
-            for r in cutlass.range_constexpr(ROW_TILES):
-                for i in cutlass.range_constexpr(4):
-                    m = 2 * t + i % 2
-                    if m < self.m:
-                        col = nt * TILE_N + in_tile0 + 16 * r + 8 * (i // 2)
-                        self.store(acc[r][i], scale, mBias, mOut, has_bias, m, col)
+            self.store_fragment(acc, epi, wn, t)
         else:
+            in_tile0 = wn * WARP_COLS + lane // 4
             for r in cutlass.range_constexpr(ROW_TILES):
                 for i in cutlass.range_constexpr(4):
                     m = 2 * t + i % 2
                     if m < self.m:
                         mWs[in_tile0 + 16 * r + 8 * (i // 2), m, slot] = acc[r][i]
-            counter = pCounters + (nt * WARPS + wn)
+            counter = pCounters + (strip * WARPS + wn)
             if warp_split_arrive(counter, w_hi - w_lo + 1) != 0:
-                # w_lo wrote slot 2 w_lo if its run starts at this tile, else 2 w_lo + 1 (its
-                # last strip); every later worker starts here: slot 2 w.
-                first_slot = 2 * w_lo + Int32(_run_start(w_lo, units, workers) < nt * k_tiles)
-                self.reduce_strip(
-                    mWs, scale, mBias, mOut, has_bias, nt, wn, first_slot, w_hi - w_lo
-                )
+                # w_lo wrote slot 2 w_lo if its run starts at this strip, else 2 w_lo + 1
+                # (its last strip); every later worker starts here: slot 2 w.
+                first_slot = 2 * w_lo + Int32(_run_start(w_lo, units, workers) < strip * k_tiles)
+                self.reduce_strip(mWs, epi, wn, first_slot, w_hi - w_lo)
 
     @cute.jit
-    def reduce_strip(self, mWs, scale, mBias, mOut, has_bias, nt, wn, first_slot, later):
+    def store_fragment(self, acc, epi, wn, t):
+        """Store the warp's whole-K accumulators: column tile nt of the output."""
+        scale, mBias, mOut, has_bias, nt = epi
+        in_tile0 = wn * WARP_COLS + cute.arch.lane_idx() // 4
+        for r in cutlass.range_constexpr(ROW_TILES):
+            for i in cutlass.range_constexpr(4):
+                m = 2 * t + i % 2
+                if m < self.m:
+                    col = nt * TILE_N + in_tile0 + 16 * r + 8 * (i // 2)
+                    self.store(acc[r][i], scale, mBias, mOut, has_bias, m, col)
+
+    @cute.jit
+    def store_columns(self, v, epi, wn):
+        """Store the reduced sums v[m] of the lane's column of the warp's 32."""
+        scale, mBias, mOut, has_bias, nt = epi
+        c = wn * WARP_COLS + cute.arch.lane_idx()
+        for m in cutlass.range_constexpr(self.m):
+            self.store(v[m], scale, mBias, mOut, has_bias, m, nt * TILE_N + c)
+
+    @cute.jit
+    def reduce_strip(self, mWs, epi, wn, first_slot, later):
         """Lane c sums column c of the strip over the partial slots (``first_slot``, then
         ``later`` more, 2 apart), in worker order, all m rows at once: each round of loads
         is one L2 round trip for ``batch`` workers, coalesced across the warp."""
@@ -643,8 +675,7 @@ class GemvKernel:
             for j in cutlass.range_constexpr(batch):
                 for m in cutlass.range_constexpr(self.m):
                     v[m] = v[m] + parts[j * self.m + m]  # + 0.0 past the last worker
-        for m in cutlass.range_constexpr(self.m):
-            self.store(v[m], scale, mBias, mOut, has_bias, m, nt * TILE_N + c)
+        self.store_columns(v, epi, wn)
 
     @cute.jit
     def store(self, v, scale, mBias, mOut, has_bias, m, n):

@@ -52,6 +52,7 @@ from .gemv import (
     ROW_TILES,
     WARPS,
     GemvKernel,
+    _run_start,
     smem_per_sm,
 )
 
@@ -384,6 +385,350 @@ class GroupedGemvKernel(GemvKernel):
                            cta_col + c)  # fmt: skip
 
 
+# Work slots a stream launch holds: one per (expert, pass of up to 8 rows); the host sends
+# larger launches (prefill) to GroupedGemvKernel. 8 KB of shared memory.
+MAX_SLOTS = 1024
+
+
+def stream_column_layout(gate_up: bool, intermediate: int = GATE_UP_COLS) -> cute.Layout:
+    """(mma row g, column half h, row tile r, warp w) -> weight column of a
+    ``GroupedStreamKernel`` quad, relative to its group's first column. Dense: as
+    ``cta_column_layout``. Gate/up: warp w takes gate columns 16 w + (g, 8 h) in row tile 0
+    and the same columns of up (``intermediate`` further on) in row tile 1, so a thread
+    holds both factors of each of its outputs."""
+    if gate_up:
+        return cute.make_layout((8, 2, ROW_TILES, WARPS), stride=(1, 8, intermediate, 16))
+    return cta_column_layout(False)
+
+
+class GroupedStreamKernel(GemvKernel):
+    """Grouped experts on the GEMV's stream-K schedule (decode: few rows per expert).
+
+    A strip is (slot, column group): 128 weight columns (gate/up: 64 outputs, their gate
+    and up columns) of one slot's expert, all K; a slot is one pass of up to 8 rows of an
+    expert with rows. Every CTA scans the offsets into the same slot table (shared memory),
+    so every CTA knows the strip count and cuts the (strip, K tile) units into the same
+    equal runs, one per quad of warps: ``strips x s`` runs (an s-way split-K) when the
+    strips are fewer than the resident quads, else one run per quad, crossing strips. So
+    every SM gets the same share of the weights whatever the routing, and the quads of a
+    CTA share the GEMV's 64 KB pair table (k <= 4). Partial strips are summed by their last
+    worker in worker order (bit-identical run to run), as in the GEMV.
+    """
+
+    def __init__(self, k: int, dtype: type[cutlass.Numeric], gate_up: bool, stages=None):
+        # Quads per CTA: at most 6 (80 registers); k = 2, 3 spilled there: 5 (96).
+        self.MAX_QUADS = 6 if k >= 4 else 5
+        super().__init__(k, ROWS_PER_PASS, dtype, stages, extra_smem=8 * MAX_SLOTS + 64)
+        self.gate_up = gate_up
+
+    @cute.jit
+    def __call__(
+        self,
+        pA: cute.Pointer,  # (R, K) row-major, rows sorted by expert
+        pPacked: cute.Pointer,  # int32 (E, words per expert)
+        pAbsmax: cute.Pointer,  # uint8 (E, bytes per expert)
+        pCodebook: cute.Pointer,  # fp32 (2^k,)
+        pScale: cute.Pointer,  # fp32 (E,) per-expert scale
+        pOffsets: cute.Pointer,  # int32 (E + 1,) row ranges
+        pOut: cute.Pointer,  # (R, N_out) row-major: N_out = N, or N / 2 with gate_up
+        pWorkspace: cute.Pointer,  # fp32 (2 ctas quads, 8, 128): partial strips
+        pCounters: cute.Pointer,  # int32 (slots * groups * 4,), zero; left zero
+        R: Int32,
+        N: Int32,  # weight rows (2 I with gate_up)
+        K: Int32,
+        E: Int32,
+        slots: Int32,  # bound on the work slots, <= MAX_SLOTS
+        ctas: Int32,
+        overlap: Int32,  # nonzero: offsets and weights may be read before the wait
+        stream: cuda.CUstream,
+    ):
+        K = cute.assume(K, divby=32)
+        n_tiles = (N + TILE_N - 1) // TILE_N
+        k_tiles = (K + TILE_K - 1) // TILE_K
+        inter = N // 2
+        n_out = inter if cutlass.const_expr(self.gate_up) else N
+        groups = inter // GATE_UP_COLS if cutlass.const_expr(self.gate_up) else n_tiles
+        mW = cute.make_tensor(pPacked, weight_words_layout(n_tiles, k_tiles, self.k))
+        mS = cute.make_tensor(pAbsmax, weight_absmax_layout(n_tiles, k_tiles))
+        mA = cute.make_tensor(pA, cute.make_layout((R, K), stride=(K, 1)))
+        mOut = cute.make_tensor(pOut, cute.make_layout((R, n_out), stride=(n_out, 1)))
+        mOff = cute.make_tensor(pOffsets, cute.make_layout(E + 1))
+        mScale = cute.make_tensor(pScale, cute.make_layout(E))
+        mWs = cute.make_tensor(
+            pWorkspace,
+            cute.make_layout(
+                (TILE_N, ROWS_PER_PASS, 2 * ctas * self.quads),
+                stride=(1, TILE_N, ROWS_PER_PASS * TILE_N),
+            ),
+        )
+        self.kernel(
+            mA, mW, mS, pCodebook, mScale, mOff, mOut, mWs, pCounters,
+            n_tiles, k_tiles, inter, groups, slots, overlap,
+        ).launch(
+            grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream,
+            min_blocks_per_mp=self.ctas_per_sm if self.bound_regs else 0,
+            preferred_smem_carveout=-1, use_pdl=self.pdl,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self,
+        mA: cute.Tensor,
+        mW: cute.Tensor,  # one expert's ((128, n_tiles), (2, k_tiles), k) -> word
+        mS: cute.Tensor,  # one expert's ((128, n_tiles), (2, k_tiles)) -> absmax byte
+        pCodebook: cute.Pointer,
+        mScale: cute.Tensor,
+        mOff: cute.Tensor,
+        mOut: cute.Tensor,
+        mWs: cute.Tensor,  # (column in strip, row, slot) fp32; slot 2 w + (0 first, 1 last)
+        pCounters: cute.Pointer,
+        n_tiles: Int32,
+        k_tiles: Int32,
+        inter: Int32,
+        groups: Int32,
+        slots: Int32,
+        overlap: Int32,
+    ):
+        cta, _, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
+        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+        wn, quad = warp % WARPS, warp // WARPS
+        g, t = lane // 4, lane % 4
+
+        if overlap == 0:
+            self.wait_previous()
+        smem = SmemAllocator()
+        ctx = self.make_mainloop(smem, pCodebook, t)  # (the pair table syncs the CTA)
+        acc = ctx[-1]
+        # Row 0: the slot's expert; row 1: its first row << 4 | its rows (1..8).
+        sSlots = smem.allocate_tensor(
+            Int32, cute.make_layout((2, MAX_SLOTS), stride=(MAX_SLOTS, 1)), byte_alignment=16
+        )
+        sWarp = smem.allocate_tensor(Int32, cute.make_layout(self.warps), byte_alignment=4)
+        busy = self.slot_table(mOff, mA.shape[0], sSlots, sWarp, slots)
+
+        # The schedule, the same in every CTA: s runs per strip while the strips are fewer
+        # than the quads (as ops.gemv_splits: long runs when strips are many), else one run
+        # per quad.
+        strips = busy * groups
+        units = strips * k_tiles
+        workers = ctas * self.quads
+        if strips > 0:
+            if strips < workers:
+                min_kt = Int32(4)
+                if strips >= 64:
+                    min_kt = Int32(16)
+                s = cutlass.min(cutlass.min(workers // strips, k_tiles // min_kt), 16)
+                workers = strips * cutlass.max(s, 1)
+        worker = quad * ctas + cta
+        u_begin = _run_start(worker, units, workers)
+        u_end = _run_start(worker + 1, units, workers)
+        strip_first = u_begin // k_tiles
+        strip_end = (u_end - 1) // k_tiles + 1  # past the worker's last strip
+        if worker >= workers or u_end <= u_begin:
+            strip_end = strip_first
+        run = (u_begin, u_end, strip_first, strip_end)
+        if overlap != 0:
+            self.prefetch_run(mW, mS, sSlots, run, k_tiles, groups, inter)
+            self.wait_previous()
+            self.let_next_start()
+
+        per_group = GATE_UP_COLS if cutlass.const_expr(self.gate_up) else COLS_PER_GROUP
+        lay = stream_column_layout(self.gate_up, inter)
+        expert_words = n_tiles * k_tiles * TILE_N * BLOCKS_PER_TILE_K * self.k
+        expert_bytes = n_tiles * k_tiles * TILE_N * BLOCKS_PER_TILE_K
+        for strip in cutlass.range(strip_first, strip_end, unroll=1):
+            kt_begin = cutlass.max(u_begin - strip * k_tiles, 0)
+            kt_end = cutlass.min(u_end - strip * k_tiles, k_tiles)
+            slot = strip // groups
+            group = strip - slot * groups
+            expert = sSlots[0, slot]
+            row_begin, rows = sSlots[1, slot] >> 4, sSlots[1, slot] & 15
+            # Every expert's words and absmax start 1 KB apart at least (whole repack tiles).
+            w_first = cute.assume(Int64(expert) * Int64(expert_words), divby=TILE_N)
+            s_first = cute.assume(Int64(expert) * Int64(expert_bytes), divby=TILE_N)
+            mWe = cute.make_tensor(mW.iterator + w_first, mW.layout)
+            mSe = cute.make_tensor(mS.iterator + s_first, mS.layout)
+            col0 = group * per_group + cute.crd2idx((g, 0, 0, wn), lay)
+            second = None
+            if cutlass.const_expr(self.gate_up):
+                second = col0 - g + inter
+            for r in cutlass.range_constexpr(ROW_TILES):
+                acc[r].fill(0.0)
+            self.mainloop(mA, mWe, mSe, col0, (row_begin, rows), t, kt_begin, kt_end, ctx,
+                          second)  # fmt: skip
+            n_out = mOut.shape[1]
+            out_rows = cute.make_tensor(
+                mOut.iterator + Int64(row_begin) * Int64(n_out),
+                cute.make_layout((rows, n_out), stride=(n_out, 1)),
+            )
+            epi = (mScale[expert], out_rows, group)
+            wslot = 2 * worker + Int32(strip != strip_first)
+            self.finish_strip(acc, epi, mWs, pCounters, strip, wn, t, wslot,
+                              (units, workers, k_tiles))  # fmt: skip
+        if overlap == 0:
+            self.let_next_start()
+
+    @cute.jit
+    def slot_table(self, mOff, R, sSlots, sWarp, slots) -> Int32:
+        """Fill ``sSlots`` with the launch's work slots in expert order, one per pass of up
+        to 8 rows of each expert with rows (row ranges clipped to 0..R); returns their count,
+        at most ``slots`` (the host's bound, never reached with valid offsets). Each round,
+        every thread checks SCAN_PER_THREAD consecutive experts; a prefix count over the CTA
+        places their slots."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp, lane = tidx // 32, tidx % 32
+        E = cute.size(mOff) - 1
+        base = Int32(0)  # slots before this round
+        for first in cutlass.range(0, E, self.threads * SCAN_PER_THREAD, unroll=1):
+            e0 = first + tidx * SCAN_PER_THREAD
+            bounds = [
+                cutlass.max(cutlass.min(mOff[cutlass.min(e0 + j, E)], R), 0)
+                for j in range(SCAN_PER_THREAD + 1)
+            ]
+            passes = [
+                Int32(e0 + j < E)
+                * ((cutlass.max(bounds[j + 1] - bounds[j], 0) + ROWS_PER_PASS - 1) // ROWS_PER_PASS)
+                for j in range(SCAN_PER_THREAD)
+            ]
+            mine = passes[0]
+            for j in cutlass.range_constexpr(1, SCAN_PER_THREAD):
+                mine = mine + passes[j]
+            incl = mine  # inclusive prefix over the warp
+            for step in cutlass.range_constexpr(5):
+                d = 1 << step
+                other = cute.arch.shuffle_sync_up(incl, d)
+                if lane >= d:
+                    incl = incl + other
+            if lane == 31:
+                sWarp[warp] = incl
+            cute.arch.sync_threads()
+            rank = base + incl - mine
+            total = Int32(0)
+            for w in cutlass.range_constexpr(self.warps):
+                n_w = sWarp[w]
+                total = total + n_w
+                if w < warp:
+                    rank = rank + n_w
+            for j in cutlass.range_constexpr(SCAN_PER_THREAD):
+                for p in cutlass.range(passes[j], unroll=1):
+                    if rank < slots:
+                        row = bounds[j] + p * ROWS_PER_PASS
+                        sSlots[0, rank] = e0 + j
+                        sSlots[1, rank] = (row << 4) | cutlass.min(bounds[j + 1] - row, 8)
+                    rank = rank + 1
+            base = base + total
+            cute.arch.sync_threads()  # the warp totals are read before the next round
+        return cutlass.min(base, slots)
+
+    @cute.jit
+    def prefetch_run(self, mW, mS, sSlots, run, k_tiles, groups, inter):
+        """Bulk L2 prefetch of the warp's weights over its run: per K tile, its two runs of
+        16 columns' words and absmax (each contiguous in the format)."""
+        if cutlass.const_expr(self.pdl):
+            warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+            wn = warp % WARPS
+            n_tiles = mW.shape[0][1]
+            expert_words = n_tiles * k_tiles * TILE_N * BLOCKS_PER_TILE_K * self.k
+            expert_bytes = n_tiles * k_tiles * TILE_N * BLOCKS_PER_TILE_K
+            per_group = GATE_UP_COLS if cutlass.const_expr(self.gate_up) else COLS_PER_GROUP
+            lay = stream_column_layout(self.gate_up, inter)
+            u_begin, u_end, strip_first, strip_end = run
+            for strip in cutlass.range(strip_first, strip_end, unroll=1):
+                kt_begin = cutlass.max(u_begin - strip * k_tiles, 0)
+                kt_end = cutlass.min(u_end - strip * k_tiles, k_tiles)
+                slot = strip // groups
+                expert = sSlots[0, slot]
+                wcol = (strip - slot * groups) * per_group + cute.crd2idx((0, 0, 0, wn), lay)
+                second = wcol + cute.crd2idx((0, 0, 1, 0), lay)
+                if cutlass.const_expr(not self.gate_up):
+                    second = wcol + 16
+                jobs = (kt_end - kt_begin) * 4  # (K tile, run of 16, words | absmax)
+                for j in cutlass.range(lane, jobs, 32, unroll=1):
+                    kt = kt_begin + j // 4
+                    col = wcol
+                    if (j // 2) % 2 != 0:
+                        col = second
+                    tile_col = (col % TILE_N, col // TILE_N)
+                    if j % 2 == 0:
+                        off = Int64(expert) * Int64(expert_words) + Int64(
+                            cute.crd2idx((tile_col, (0, kt), 0), mW.layout)
+                        )
+                        prefetch_l2(mW.iterator + off, 16 * BLOCKS_PER_TILE_K * self.k * 4)
+                    else:
+                        off = Int64(expert) * Int64(expert_bytes) + Int64(
+                            cute.crd2idx((tile_col, (0, kt)), mS.layout)
+                        )
+                        prefetch_l2(mS.iterator + off, 16 * BLOCKS_PER_TILE_K)
+
+    @cute.jit
+    def store_fragment(self, acc, epi, wn, t):
+        """A whole-K strip from the accumulators (dense: acc[r][i] is column 16 r +
+        8 (i // 2) + g of the warp; gate/up: acc[0][i] gate and acc[1][i] up of output
+        8 (i // 2) + g of the warp's 16), row 2 t + i % 2 of the slot."""
+        scale, mOut, group = epi
+        g = cute.arch.lane_idx() // 4
+        for i in cutlass.range_constexpr(4):
+            m = 2 * t + i % 2
+            if cutlass.const_expr(self.gate_up):
+                col = group * GATE_UP_COLS + wn * 16 + g + 8 * (i // 2)
+                self.store_out(acc[0][i], acc[1][i], scale, mOut, m, col)
+            else:
+                for r in cutlass.range_constexpr(ROW_TILES):
+                    col = group * COLS_PER_GROUP + wn * 32 + g + 16 * r + 8 * (i // 2)
+                    self.store_out(acc[r][i], Float32(0.0), scale, mOut, m, col)
+
+    @cute.jit
+    def store_columns(self, v, epi, wn):
+        """A reduced strip: lane c holds v[m] of the warp's column c (gate/up: c < 16 gate,
+        c >= 16 the up column of output c - 16)."""
+        scale, mOut, group = epi
+        lane = cute.arch.lane_idx()
+        for m in cutlass.range_constexpr(ROWS_PER_PASS):
+            if cutlass.const_expr(self.gate_up):
+                up = cute.arch.shuffle_sync_down(v[m], 16)
+                if lane < 16:
+                    col = group * GATE_UP_COLS + wn * 16 + lane
+                    self.store_out(v[m], up, scale, mOut, m, col)
+            else:
+                col = group * COLS_PER_GROUP + wn * 32 + lane
+                self.store_out(v[m], Float32(0.0), scale, mOut, m, col)
+
+    @cute.jit
+    def store_out(self, v, up, scale, mOut, m, col):
+        """out[m, col] of the slot's rows (mOut: its rows only) from the sum v (gate_up:
+        SiLU(v) * up), if inside."""
+        rows, n_out = mOut.shape
+        if m < rows and col < n_out:
+            r = v * scale
+            if cutlass.const_expr(self.gate_up):
+                e = cute.math.exp2(r * Float32(-_LOG2_E), fastmath=True)
+                r = r / (Float32(1.0) + e) * (up * scale)  # SiLU(g) * u
+            mOut[m, col] = self.dtype(r)
+
+
+def grouped_stream_spec(k: int, dtype: str, gate_up: bool, stages: int | None = None):
+    """The compiled variant of ``GroupedStreamKernel`` (bits, dtype name, fused gate/up;
+    ``stages`` overrides the ring depth, for tuning)."""
+    from ..compile import KernelSpec, fake_ptr, fake_stream
+
+    def build():
+        dt = _DTYPES[dtype]
+        args = (
+            fake_ptr(dt), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Uint8),
+            fake_ptr(cutlass.Float32), fake_ptr(cutlass.Float32, 4), fake_ptr(cutlass.Int32, 4),
+            fake_ptr(dt, 2), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int32, 4),
+            Int32(1), Int32(128), Int32(64), Int32(1), Int32(1), Int32(1), Int32(0),
+            fake_stream(),
+        )  # fmt: skip
+        return GroupedStreamKernel(k, dt, gate_up, stages), args
+
+    kind = "gate_up" if gate_up else "down"
+    suffix = f"_s{stages}" if stages else ""
+    return KernelSpec(f"grouped_stream_{kind}_k{k}_{dtype}{suffix}", build,
+                      expect=("LDGSTS", "HMMA"))  # fmt: skip
+
+
 def grouped_gemv_spec(k: int, dtype: str, gate_up: bool, stages: int | None = None):
     """The compiled variant of ``GroupedGemvKernel`` (bits, dtype name, fused gate/up;
     ``stages`` overrides the ring depth, for tuning)."""
@@ -418,4 +763,4 @@ def specs():
         for d in _DTYPES
         for gu in (False, True)
         for stages in (None, DECODE_STAGES)
-    ]
+    ] + [grouped_stream_spec(k, d, gu) for k in (2, 3, 4, 5) for d in _DTYPES for gu in (0, 1)]
