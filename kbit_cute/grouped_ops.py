@@ -12,8 +12,10 @@ host never reads the offsets, so a MoE layer can be captured in a CUDA graph. On
 dequantize + a matmul per expert.
 
 ``max_rows`` is a static bound on any one expert's rows (0: R). A MoE layer passes the token
-count, since a token picks an expert at most once. Split-K keeps partial sums for that many
-rows per expert; rows past the bound come out as NaN, never silently wrong.
+count, since a token picks an expert at most once. The kernel for large launches
+(``GroupedGemvKernel``) keeps split-K partial sums for that many rows per expert; rows past
+the bound come out as NaN, never silently wrong. Launches with 16 or more busy experts at
+k <= 4 (``GroupedStreamKernel``, stream-K over every SM) do not need the bound.
 
 ``overlap=True`` (H100 and later) lets a launch find its experts and prefetch their weights
 while the kernel before it on the stream still runs; it reads ``A`` and writes ``out`` only
@@ -211,46 +213,61 @@ _MAX_STREAM_SLOTS = 1024
 _KERNEL_OVERRIDE: str | None = None
 
 
-def _choose_kernel(slots: int, touched_bytes: int) -> str:
-    """GroupedStreamKernel unless the launch is small or its slots overflow the kernel's
-    table. Measured on the H100 (``python -m perf.moe_kernel_check --kernels stream grid``,
-    Qwen3-Coder-Next experts, k = 4, overlapped chains): stream T = 4 / 16 / 64 37 / 106 /
-    247 us against 44 / 123 / 313; at T = 1 (11 MB) 21.5 against 17.0: the grid kernel's
-    small CTAs start while the kernel before runs and prefetch their weights, the stream
-    kernel's CTA (a whole SM's shared memory) cannot."""
+# K tiles a run of the stream kernel keeps at least when it splits strips (4, 8 and 16
+# measured within 1% of each other on the three models' experts at T = 4 and 16).
+_STREAM_MIN_RUN = 8
+# Launches with at least this many busy-expert slots (min(E, rows)) run the stream kernel
+# (k <= 4): both launches of a MoE layer then get the same kernel.
+_STREAM_MIN_SLOTS = 16
+
+
+def _choose_kernel(k: int, slots: int, busy_bound: int) -> str:
+    """GroupedStreamKernel for k <= 4 where up to ``busy_bound`` >= 16 experts are busy and
+    its slot table holds the launch, else GroupedGemvKernel. Measured on the H100
+    (``python -m perf.moe_kernel_check --model qwen3-coder-next deepseek-v2-lite
+    glm-4.7-flash --T 1 4 16 --kernels stream grid``, overlapped chains, us): k = 4, T = 4 /
+    16: Qwen3-Coder-Next 38 / 107 against 45 / 121, DeepSeek-V2-Lite 47 / 103 against 59 /
+    120. At T = 1 (4 to 10 experts) the grid kernel wins (Qwen 17.3 against 20.2): its small
+    CTAs start while the kernel before runs and prefetch their weights; the stream kernel's
+    CTA holds a whole SM's shared memory. The rule depends on the rows, not on bytes, so
+    that gate_up and down agree: a grid launch after a stream launch measured slow (GLM
+    T = 4, k = 3: 63 against 38 us; its CTAs pile onto the SMs freed first). k = 5 (no pair
+    table: one quad per CTA) measured equal or slower on the stream kernel (Qwen T = 4 57
+    against 53)."""
     fits = slots <= _MAX_STREAM_SLOTS
     if _KERNEL_OVERRIDE is not None:  # (tests: one kernel wherever it can serve)
         return _KERNEL_OVERRIDE if fits else "grid"
-    return "stream" if fits and touched_bytes > _SMALL_LAUNCH_BYTES else "grid"
+    return "stream" if fits and k <= 4 and busy_bound >= _STREAM_MIN_SLOTS else "grid"
 
 
-def stream_slots(R: int, E: int, rows_bound: int) -> int:
-    """Bound on the (expert, pass of up to 8 rows) work slots of R rows over E experts, no
-    expert with more than ``rows_bound``: sum over busy experts of ceil(rows / 8)."""
+def stream_slots(R: int, E: int) -> int:
+    """Bound on the (expert, pass of up to 8 rows) work slots of R rows over E experts: the
+    sum over busy experts of ceil(rows / 8). (Not tightened by ``max_rows``: a wrong bound
+    must not drop rows.)"""
     busy = min(E, R)
-    per_expert = -(-rows_bound // ROWS_PER_PASS)
-    return min((R + 7 * busy) // 8, busy + R // ROWS_PER_PASS, busy * per_expert)
+    return min((R + 7 * busy) // 8, busy + R // ROWS_PER_PASS)
 
 
 def _launch(
     gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, max_rows, out, E,
-    splits=None, stages=None, overlap=False, kernel=None,
+    splits=None, stages=None, overlap=False, kernel=None, min_run=None,
 ):  # fmt: skip
     dev = A.get_device()
     props = _device.check_device(dev)
     R = A.shape[0]
     rows_bound = min(max_rows or R, R)
     expert_bytes = (packed.numel() * 4 + absmax.numel()) // E
-    stream_slots_bound = stream_slots(R, E, rows_bound)
+    stream_slots_bound = stream_slots(R, E)
     if splits is not None:
         kernel = "grid"
     if kernel is None:
-        kernel = _choose_kernel(stream_slots_bound, min(E, R) * expert_bytes)
+        kernel = _choose_kernel(k, stream_slots_bound, min(E, R))
     if kernel == "stream" and stream_slots_bound > _MAX_STREAM_SLOTS:
         raise ValueError(f"{stream_slots_bound} work slots exceed the stream kernel's table")
     if kernel == "stream":
         _launch_stream(gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, out, E,
-                       stream_slots_bound, stages, overlap, expert_bytes, props)  # fmt: skip
+                       stream_slots_bound, stages, overlap, expert_bytes, props,
+                       min_run)  # fmt: skip
         return
     slots = min(E, R)
     groups = -(-(N // 2) // (_CTA_COLS // 2)) if gate_up else -(-N // _CTA_COLS)
@@ -283,7 +300,7 @@ def _launch(
 
 def _launch_stream(
     gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, out, E, slots, stages,
-    overlap, expert_bytes, props,
+    overlap, expert_bytes, props, min_run=None,
 ):  # fmt: skip
     """``GroupedStreamKernel``: one wave of CTAs; the kernel cuts the work into runs."""
     dev = A.get_device()
@@ -305,19 +322,20 @@ def _launch_stream(
                                   slots * groups * 4)  # fmt: skip
     prefetch = overlap and slots * expert_bytes <= _SMALL_LAUNCH_BYTES
     fn(A, packed, absmax, codebook, scale, offsets, out, ws, counters,
-       A.shape[0], N, K, E, slots, ctas, int(prefetch))  # fmt: skip
+       A.shape[0], N, K, E, slots, ctas, min_run or _STREAM_MIN_RUN, int(prefetch))  # fmt: skip
 
 
 def _grouped(
     gate_up, A, ex: KbitExperts, offsets, out, max_rows=0, splits=None, stages=None,
-    overlap=False, kernel=None,
+    overlap=False, kernel=None, min_run=None,
 ):  # fmt: skip
     """The grouped kernel with an explicit split count / ring depth / ``kernel`` ("stream"
-    or "grid"; an explicit split count means "grid"), for checks and tuning."""
+    or "grid"; an explicit split count means "grid") / stream run floor, for checks and
+    tuning."""
     E, _ = _check_args(gate_up, A, ex.packed, ex.absmax, ex.codebook, ex.scale, offsets,
                        ex.k, ex.N, ex.K, out)  # fmt: skip
     _launch(gate_up, A, ex.packed, ex.absmax, ex.codebook, ex.scale, offsets, ex.k, ex.N,
-            ex.K, max_rows, out, E, splits, stages, overlap, kernel)  # fmt: skip
+            ex.K, max_rows, out, E, splits, stages, overlap, kernel, min_run)  # fmt: skip
     return out
 
 

@@ -14,6 +14,7 @@ the tiled memory, CuTe's colexicographic order splitting them for us.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -182,35 +183,40 @@ def _moe_layouts(config: str | None) -> dict[str, Entry]:
 
     from .kernels.gemv import gemv_mma
 
-    try:  # the grouped kernel reuses the GEMV's mma and adds the CTA column layout
-        from .kernels.grouped_gemv import cta_column_layout
+    try:  # the grouped kernels reuse the GEMV's mma and add their column layouts
+        grouped_gemv = importlib.import_module(".kernels.grouped_gemv", __package__)
     except ImportError as e:
         raise NotImplementedError(
             f"cannot import the grouped expert kernel (kbit_cute/kernels/grouped_gemv.py): {e}"
         ) from e
     configs = [_moe_config(config)] if config else [("gate_up", MOE_INTERMEDIATE), ("down", 0)]
     entries = _mma_tv(lambda: gemv_mma(cutlass.Float16)[1])
+    kinds = [("cta", "CTA", "cta_column_layout", "warps 0-1 gate, 2-3 up")]
+    if hasattr(grouped_gemv, "stream_column_layout"):
+        note = "each warp 16 gate columns (r = 0) and the same 16 of up (r = 1)"
+        kinds.append(("stream", "stream quad", "stream_column_layout", note))
     for name, inter in configs:
-        caption = (
-            "CTA columns: cell = weight column - the CTA's first column (cta_column_layout); "
-            "row = (g, w): lanes 4g..4g+3 of warp w (thread 32w + 4g + t, t = 0..3 share the "
-            "column); column = (h, r): the mma values of column half h, row tile r"
-        )
-        if name == "gate_up":
-            caption += f"; drawn with intermediate = {inter}: warps 0-1 gate, 2-3 up"
+        for prefix, who, fn_name, gate_up_note in kinds:
+            caption = (
+                f"{who} columns: cell = weight column - the {who}'s first column ({fn_name}); "
+                "row = (g, w): lanes 4g..4g+3 of warp w (thread 32w + 4g + t, t = 0..3 share "
+                "the column); column = (h, r): the mma values of column half h, row tile r"
+            )
+            if name == "gate_up":
+                caption += f"; drawn with intermediate = {inter}: {gate_up_note}"
 
-        def columns(gate_up=name == "gate_up", inter=inter, caption=caption):
-            lay = cta_column_layout(gate_up, inter)  # dense: intermediate is not used
-            # (g, h, r, w) -> ((g, w), (h, r)): rows are the threads, columns their values
-            lay = cute.select(lay, [0, 3, 1, 2])
-            return cute.group_modes(cute.group_modes(lay, 0, 2), 1, 3), caption
+            def columns(gate_up=name == "gate_up", inter=inter, caption=caption, fn=fn_name):
+                lay = getattr(grouped_gemv, fn)(gate_up, inter)  # dense: inter not used
+                # (g, h, r, w) -> ((g, w), (h, r)): rows are the threads, columns their values
+                lay = cute.select(lay, [0, 3, 1, 2])
+                return cute.group_modes(cute.group_modes(lay, 0, 2), 1, 3), caption
 
-        entries[f"cta_columns_{name}"] = columns
+            entries[f"{prefix}_columns_{name}"] = columns
     entries["smem"] = (
-        "no shared-memory tile in the main loop, so no bank map: as in the GEMV, each thread "
-        "loads its columns' plane words, absmax bytes and activations straight into "
-        "registers; shared memory holds the split-K flag, the slot -> expert scan and, with "
-        "gate_up, the epilogue's hand-over of the up values from warps 2-3 to warps 0-1"
+        "shared memory: as in the GEMV, each warp streams its 32 columns' plane words, absmax "
+        "bytes and activation rows through its own cp.async ring (kernel gemv); besides, the "
+        "CTA kernel holds the slot -> expert scan and the epilogue's rows, the stream kernel "
+        "the pair table its quads share and the slot table (expert, first row | rows)"
     )
     return entries
 

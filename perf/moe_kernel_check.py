@@ -21,6 +21,7 @@ from kbit_cute.experts import dequantize_experts, quantize_experts
 from kbit_cute.grouped_ops import _grouped
 from kbit_cute.moe import sort_by_expert
 from perf.common import graph_time_us, read_bandwidth_gbs
+from perf.models import MOE_MODELS, get_model
 
 
 def random_routing(T: int, E: int, top_k: int, gen: torch.Generator, crowd: bool = False):
@@ -86,9 +87,12 @@ def check(ks) -> list:
     return rows
 
 
-def timing(ks, Ts, split_list, stage_list, dtype, kernels=(None,)) -> list:
-    """Qwen3-Coder-Next experts (E=512, top-10, H=2048, I=512): gate_up and down per T."""
-    E, top_k, H, inter = 512, 10, 2048, 512
+def timing(ks, Ts, split_list, stage_list, dtype, kernels=(None,), model="qwen3-coder-next",
+           min_runs=(None,)) -> list:  # fmt: skip
+    """A model's experts (default Qwen3-Coder-Next: E=512, top-10, H=2048, I=512): gate_up
+    and down per T."""
+    cfg = get_model(model)
+    E, top_k, H, inter = cfg.experts, cfg.top_k, cfg.hidden, cfg.moe_intermediate
     bw = read_bandwidth_gbs()
     gen = torch.Generator(device="cuda").manual_seed(2)
     rows = []
@@ -107,15 +111,20 @@ def timing(ks, Ts, split_list, stage_list, dtype, kernels=(None,)) -> list:
                 routings.append((offsets, A, h, y, touched))
             touched = sum(r[4] for r in routings) / len(routings)
             nbytes = touched * (gate_up.nbytes_per_expert + down.nbytes_per_expert)
-            combos = [(s, st, kn) for s in split_list for st in stage_list for kn in kernels]
-            for splits, stages, kern in combos:
+            combos = [
+                (s, st, kn, mr)
+                for s in split_list for st in stage_list for kn in kernels for mr in min_runs
+            ]  # fmt: skip
+            for splits, stages, kern, min_run in combos:
                 if splits is not None and kern == "stream":
                     continue
+                if min_run is not None and kern != "stream":
+                    continue
 
-                def make(i, which, s=splits, st=stages, kn=kern):
+                def make(i, which, s=splits, st=stages, kn=kern, mr=min_run):
                     off, A, h, y, _ = routings[i % len(routings)]
-                    up = lambda ov: _grouped(True, A, gate_up, off, h, T, s, st, ov, kn)  # noqa: E731
-                    dn = lambda ov: _grouped(False, h, down, off, y, T, s, st, ov, kn)  # noqa: E731
+                    up = lambda ov: _grouped(True, A, gate_up, off, h, T, s, st, ov, kn, mr)  # noqa: E731
+                    dn = lambda ov: _grouped(False, h, down, off, y, T, s, st, ov, kn, mr)  # noqa: E731
                     if which == "gate_up":
                         return lambda: up(False)
                     if which == "down":
@@ -127,7 +136,7 @@ def timing(ks, Ts, split_list, stage_list, dtype, kernels=(None,)) -> list:
                       ("gate_up", "down", "chain", "chain overlap")}  # fmt: skip
                 total = us["chain overlap"]
                 floor = nbytes / bw / 1e3
-                rows.append([k, T, kern or "auto", splits or "auto", stages or "default", round(touched, 1), f"{us['gate_up']:.1f}",
+                rows.append([model, k, T, kern or "auto", min_run or "-", splits or "auto", stages or "default", round(touched, 1), f"{us['gate_up']:.1f}",
                              f"{us['down']:.1f}", f"{us['chain']:.1f}", f"{total:.1f}",
                              f"{floor:.1f}", f"{total / (floor + 5):.2f}"])  # fmt: skip
     return rows
@@ -141,6 +150,9 @@ def main():
     p.add_argument("--stages", type=int, nargs="+", default=[0])
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--time-k", type=int, nargs="+", default=[4])
+    p.add_argument("--model", nargs="+", default=["qwen3-coder-next"], choices=MOE_MODELS)
+    p.add_argument("--min-run", type=int, nargs="+", default=[0],
+                   help="stream kernel: K tiles per run at least (0: the library's)")  # fmt: skip
     p.add_argument(
         "--kernels",
         nargs="+",
@@ -159,12 +171,19 @@ def main():
     splits = [s or None for s in args.splits]
     stages = [s or None for s in args.stages]
     kernels = [None if kn == "auto" else kn for kn in args.kernels]
-    rows = timing(args.time_k, args.T, splits, stages, torch.bfloat16, kernels)
+    min_runs = [m or None for m in args.min_run]
+    rows = [
+        row
+        for model in args.model
+        for row in timing(
+            args.time_k, args.T, splits, stages, torch.bfloat16, kernels, model, min_runs
+        )  # fmt: skip
+    ]
     out["timing"] = rows
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "moe_kernel_check.json"), "w") as f:
             json.dump(out, f, indent=1, default=str)
-    print(tabulate(rows, headers=["k", "T", "kernel", "splits", "stages", "experts", "gate_up us", "down us",
+    print(tabulate(rows, headers=["model", "k", "T", "kernel", "min run", "splits", "stages", "experts", "gate_up us", "down us",
                                   "both us", "overlap us", "floor us", "overlap/(floor+5)"]))  # fmt: skip
 
 

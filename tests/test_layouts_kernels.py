@@ -353,7 +353,20 @@ def test_moe_cta_columns_are_the_layout(config, inter):
     for i, j in itertools.product(range(32), range(4)):
         assert grid.cells[i][j] == _moe_expected(config != "down", inter, i, j), (i, j)
     assert "lanes 4g..4g+3 of warp w" in views[name].title
-    assert views["smem"].is_note and "no shared-memory tile in the main loop" in views["smem"].data
+    assert views["smem"].is_note and "cp.async ring" in views["smem"].data
+
+
+@pytest.mark.parametrize(("config", "inter"), [("gate_up:192", 192), ("down", 0)])
+def test_moe_stream_columns_are_the_layout(config, inter):
+    """GroupedStreamKernel: gate/up warp w holds gate columns 16 w + g + 8 h in row tile 0
+    and the same columns of up in row tile 1; dense as the CTA kernel."""
+    pytest.importorskip(MOE_MODULE)
+    views = {v.name: v for v in kernel_views("moe", 4, config, only="stream_columns")}
+    grid = views[f"stream_columns_{config.split(':')[0]}"].data
+    for i, j in itertools.product(range(32), range(4)):
+        g, w, h, r = i % 8, i // 8, j % 2, j // 2
+        want = g + 8 * h + (inter * r + 16 * w if inter else 16 * r + 32 * w)
+        assert grid.cells[i][j] == want, (i, j)
 
 
 EXPECTED_MOE_DOWN_HEAD = """\

@@ -1,5 +1,12 @@
 """Grouped expert GEMV for MoE: every selected expert of a layer in one launch.
 
+Two kernels share the GEMV's mainloop (``GemvKernel``): ``GroupedStreamKernel`` (below the
+first) runs the GEMV's stream-K schedule over (expert pass, column group, K tile) units,
+with quads of warps sharing the pair table, and serves launches of 16 or more experts
+(decode at T >= 4, k <= 4); ``GroupedGemvKernel``, one small CTA per work item, serves the small
+launches (T = 1: its CTAs start early and prefetch, see Overlap) and the large ones whose
+work slots overflow the stream kernel's table. ``kbit_cute.grouped_ops`` picks.
+
 ``out[rows of e] = A[rows of e] @ W_e^T`` for the E stacked weights of a ``KbitExperts``,
 rows sorted by expert, ``expert_offsets`` [E + 1] on the device. The per-expert work is the
 GEMV's (``GemvKernel``: weights as the mma's operand A, dequantized in registers, a per-warp
@@ -74,7 +81,8 @@ def cta_column_layout(gate_up: bool, intermediate: int = GATE_UP_COLS) -> cute.L
 
 
 class GroupedGemvKernel(GemvKernel):
-    """Compile-time config: bits ``k``, activation dtype, ``gate_up`` (fused SiLU(g) * u)."""
+    """One CTA per (column group, K split, slot). Compile-time config: bits ``k``,
+    activation dtype, ``gate_up`` (fused SiLU(g) * u)."""
 
     def __init__(self, k: int, dtype: type[cutlass.Numeric], gate_up: bool, stages=None):
         # Register lookups, one quad of column warps per CTA (a 64 KB pair table per CTA
@@ -439,6 +447,7 @@ class GroupedStreamKernel(GemvKernel):
         E: Int32,
         slots: Int32,  # bound on the work slots, <= MAX_SLOTS
         ctas: Int32,
+        min_run: Int32,  # K tiles a split strip's run keeps at least
         overlap: Int32,  # nonzero: offsets and weights may be read before the wait
         stream: cuda.CUstream,
     ):
@@ -463,7 +472,7 @@ class GroupedStreamKernel(GemvKernel):
         )
         self.kernel(
             mA, mW, mS, pCodebook, mScale, mOff, mOut, mWs, pCounters,
-            n_tiles, k_tiles, inter, groups, slots, overlap,
+            n_tiles, k_tiles, inter, groups, slots, min_run, overlap,
         ).launch(
             grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream,
             min_blocks_per_mp=self.ctas_per_sm if self.bound_regs else 0,
@@ -487,6 +496,7 @@ class GroupedStreamKernel(GemvKernel):
         inter: Int32,
         groups: Int32,
         slots: Int32,
+        min_run: Int32,
         overlap: Int32,
     ):
         cta, _, _ = cute.arch.block_idx()
@@ -507,18 +517,14 @@ class GroupedStreamKernel(GemvKernel):
         sWarp = smem.allocate_tensor(Int32, cute.make_layout(self.warps), byte_alignment=4)
         busy = self.slot_table(mOff, mA.shape[0], sSlots, sWarp, slots)
 
-        # The schedule, the same in every CTA: s runs per strip while the strips are fewer
-        # than the quads (as ops.gemv_splits: long runs when strips are many), else one run
-        # per quad.
+        # The schedule, the same in every CTA: s runs per strip of >= min_run K tiles while
+        # the strips are fewer than the quads, else one run per quad.
         strips = busy * groups
         units = strips * k_tiles
         workers = ctas * self.quads
         if strips > 0:
             if strips < workers:
-                min_kt = Int32(4)
-                if strips >= 64:
-                    min_kt = Int32(16)
-                s = cutlass.min(cutlass.min(workers // strips, k_tiles // min_kt), 16)
+                s = cutlass.min(cutlass.min(workers // strips, k_tiles // min_run), 16)
                 workers = strips * cutlass.max(s, 1)
         worker = quad * ctas + cta
         u_begin = _run_start(worker, units, workers)
@@ -718,7 +724,7 @@ def grouped_stream_spec(k: int, dtype: str, gate_up: bool, stages: int | None = 
             fake_ptr(dt), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Uint8),
             fake_ptr(cutlass.Float32), fake_ptr(cutlass.Float32, 4), fake_ptr(cutlass.Int32, 4),
             fake_ptr(dt, 2), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int32, 4),
-            Int32(1), Int32(128), Int32(64), Int32(1), Int32(1), Int32(1), Int32(0),
+            Int32(1), Int32(128), Int32(64), Int32(1), Int32(1), Int32(1), Int32(4), Int32(0),
             fake_stream(),
         )  # fmt: skip
         return GroupedStreamKernel(k, dt, gate_up, stages), args
