@@ -204,6 +204,12 @@ _WORKSPACE_LIMIT = 64 << 20
 # 25.6 -> 25.0 us (k = 4), 37.4 -> 29.2 us (k = 5); 32 MB changed nothing more.
 _SMALL_LAUNCH_BYTES = 24 << 20
 _DECODE_STAGES = 5  # kernels.grouped_gemv.DECODE_STAGES (not imported: keeps cutlass lazy)
+_CLUSTER_SPLITS = (2,)  # kernels.grouped_gemv.CLUSTER_SPLITS
+# Decode launches that sum 2 K splits in a cluster by default: gate_up only. Measured
+# (``python -m perf moe --t 1 --k 4``, us, Qwen3-Coder-Next / GLM-4.7-Flash /
+# DeepSeek-V2-Lite): none 17.0 / 19.6 / 25.3, gate_up 16.9 / 19.6 / 24.3, down 17.0 /
+# 21.3 / 27.5, both 17.0 / 21.3 / 23.6; 4 splits in a cluster: Qwen 19.9, GLM 27.7.
+_CLUSTER_LAUNCHES = ("gate_up",)
 
 
 def _is_decode_launch(gate_up: bool, slots: int, expert_bytes: int) -> bool:
@@ -261,7 +267,7 @@ def stream_slots(R: int, E: int) -> int:
 
 def _launch(
     gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, max_rows, out, E,
-    splits=None, stages=None, overlap=False, kernel=None, min_run=None,
+    splits=None, stages=None, overlap=False, kernel=None, min_run=None, cluster=None,
 ):  # fmt: skip
     dev = A.get_device()
     props = _device.check_device(dev)
@@ -291,19 +297,25 @@ def _launch(
         splits //= 2
     small = _is_decode_launch(gate_up, slots, expert_bytes)
     stages = stages or (_DECODE_STAGES if small else None)
-    key = (k, A.dtype, gate_up, stages)
+    # Decode gate_up launches on sm_90 sum 2 K splits in a cluster (distributed shared
+    # memory) rather than through the workspace in L2.
+    if cluster is None:
+        which = "gate_up" if gate_up else "down"
+        cluster = props.capability >= (9, 0) and stages == _DECODE_STAGES
+        cluster = cluster and which in _CLUSTER_LAUNCHES
+    cluster_splits = splits if cluster and splits in _CLUSTER_SPLITS else None
+    key = (k, A.dtype, gate_up, stages, cluster_splits)
     fn = _launchers.get(key)
     if fn is None:
         from .kernels.grouped_gemv import grouped_gemv_spec
 
-        spec = grouped_gemv_spec(k, _GEMV_DTYPES[A.dtype], gate_up, stages)
+        spec = grouped_gemv_spec(k, _GEMV_DTYPES[A.dtype], gate_up, stages, cluster_splits)
         fn = _launchers[key] = launcher(spec)
     # The GEMV's split-K scratch of this stream (driver memory, safe to first allocate during
     # a graph capture): kernels on one stream run one after another, and each leaves its
     # counters at zero.
-    ws, counters = _split_scratch(
-        dev, current_raw_stream(dev), per_split * splits if splits > 1 else 1, slots * groups
-    )
+    ws_elems = per_split * splits if splits > 1 and not cluster_splits else 1
+    ws, counters = _split_scratch(dev, current_raw_stream(dev), ws_elems, slots * groups)
     prefetch = overlap and small
     fn(A, packed, absmax, codebook, scale, offsets, out, ws, counters,
        R, N, K, E, slots, passes, splits, int(prefetch))  # fmt: skip
@@ -338,15 +350,17 @@ def _launch_stream(
 
 def _grouped(
     gate_up, A, ex: KbitExperts, offsets, out, max_rows=0, splits=None, stages=None,
-    overlap=False, kernel=None, min_run=None,
+    overlap=False, kernel=None, min_run=None, cluster=None,
 ):  # fmt: skip
     """The grouped kernel with an explicit split count / ring depth / ``kernel`` ("stream"
-    or "grid"; an explicit split count means "grid") / stream run floor, for checks and
+    or "grid"; an explicit split count means "grid") / stream run floor / ``cluster``
+    (False: decode launches sum their splits through the workspace), for checks and
     tuning."""
     E, _ = _check_args(gate_up, A, ex.packed, ex.absmax, ex.codebook, ex.scale, offsets,
                        ex.k, ex.N, ex.K, out)  # fmt: skip
     _launch(gate_up, A, ex.packed, ex.absmax, ex.codebook, ex.scale, offsets, ex.k, ex.N,
-            ex.K, max_rows, out, E, splits, stages, overlap, kernel, min_run)  # fmt: skip
+            ex.K, max_rows, out, E, splits, stages, overlap, kernel, min_run,
+            cluster)  # fmt: skip
     return out
 
 

@@ -26,7 +26,11 @@ def main() -> None:
             y = torch.empty(T * top_k, H, device="cuda", dtype=dtype)
             # overlap: the down launch finds its experts and prefetches before it waits;
             # stages: these launches are small (the decode ring), 3 = the default ring
-            for splits, overlap, stages in ((1, False, None), (2, True, None), (2, False, 3)):
+            # (decode launches: splits 2 summed in a cluster, 4 in the workspace; stages 3:
+            # the workspace)
+            for splits, overlap, stages in (
+                (1, False, None), (2, True, None), (4, False, None), (2, False, 3)
+            ):  # fmt: skip
                 _grouped(True, A, gate_up, offsets, h, T, splits, stages, overlap, "grid")
                 _grouped(False, h, down, offsets, y, T, splits, stages, overlap, "grid")
             # GroupedStreamKernel: split strips (T = 1) and runs that cross strips (T = 20)

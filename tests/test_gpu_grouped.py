@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 import kbit_cute
 from kbit_cute.experts import dequantize_experts, quantize_experts
-from kbit_cute.grouped_ops import grouped_gemm, moe_gate_up
+from kbit_cute.grouped_ops import _DECODE_STAGES as DECODE_STAGES
+from kbit_cute.grouped_ops import _grouped, grouped_gemm, moe_gate_up
 from kbit_cute.moe import KbitMoE, route, sort_by_expert
 
 pytestmark = pytest.mark.gpu
@@ -343,6 +344,35 @@ def test_overlapped_chain_reads_gate_up_output(k, dtype, T, gen, bank, kernel):
         h = moe_gate_up(A, gu, offsets, max_rows_per_expert=T)
         assert torch.equal(y, grouped_gemm(h, down, offsets, max_rows_per_expert=T)), kind
         assert rel_err(y, reference(h, down, offsets, False, Wd)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("splits", kbit_cute.grouped_ops._CLUSTER_SPLITS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", KS)
+def test_cluster_split_sums_match_the_workspace(k, dtype, splits, gen, bank):
+    """Decode launches on sm_90 sum their K splits in a cluster (distributed shared memory):
+    the same bits as the workspace path, and right against the reference; an expert with
+    12 rows (two passes) included."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("clusters need sm_90")
+    E, top_k, H, inter = CONFIGS["e64"]
+    gu, down, (Wgu, Wd) = bank(E, H, inter, k)
+    for T, kind in ((1, "random"), (12, "hot")):
+        ids = make_ids(T, E, top_k, kind, gen)
+        offsets = sort_by_expert(ids.cuda(), E)[1]
+        R = ids.numel()
+        for gate_up, ex, W in ((True, gu, Wgu), (False, down, Wd)):
+            A = torch.randn(R, ex.K, generator=gen).to("cuda", dtype)
+            outs = []
+            for cluster in (True, False):
+                out = torch.full((R, ex.N // 2 if gate_up else ex.N), float("nan"),
+                                 device="cuda", dtype=dtype)  # fmt: skip
+                _grouped(gate_up, A, ex, offsets, out, T, splits, DECODE_STAGES, cluster=cluster)
+                outs.append(out)
+            assert not torch.isnan(outs[0]).any(), "an output element was not written"
+            assert torch.equal(outs[0], outs[1]), (T, gate_up)
+            tol = GATE_UP_TOL[dtype] if gate_up else TOL[dtype]
+            assert rel_err(outs[0], reference(A, ex, offsets, gate_up, W)) < tol
 
 
 # One KbitMoE forward at decode, bf16, k = 4: (E, top_k, H, I, shared I, gate, normalize, T)

@@ -454,6 +454,7 @@ def test_grouped_ops_mirrors_the_kernel_constants():
     assert grouped_ops._DECODE_STAGES == grouped_gemv.DECODE_STAGES
     assert grouped_ops._CTA_COLS == grouped_gemv.COLS_PER_GROUP
     assert grouped_ops._MAX_STREAM_SLOTS == grouped_gemv.MAX_SLOTS
+    assert grouped_ops._CLUSTER_SPLITS == grouped_gemv.CLUSTER_SPLITS
 
 
 @pytest.mark.parametrize("E", (1, 8, 64, 512))

@@ -132,6 +132,17 @@ def _asm_u32(text: str, *operands) -> Uint32:
     )  # fmt: skip
 
 
+def load_cluster_f32(ptr: cute.Pointer) -> Float32:
+    """One fp32 from the shared memory of a CTA of the cluster (``ptr`` from
+    ``cute.arch.map_dsmem_ptr``). A side effect for the compiler, so that it stays between
+    the cluster barriers around it."""
+    bits = llvm.inline_asm(
+        T.i32(), [Uint32(ptr.toint()).ir_value()], "ld.shared::cluster.b32 $0, [$1];", "=r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    )  # fmt: skip
+    return bits_to_f32(Int32(bits))
+
+
 def prmt(a: Uint32, b: Uint32, selector) -> Uint32:
     """Byte permute: result byte i is byte (selector nibble i) of the 8-byte value b:a.
     A Python int selector becomes an immediate (no register, no move)."""

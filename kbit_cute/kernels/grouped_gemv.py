@@ -24,7 +24,9 @@ shared-memory ring of K tiles in flight); what this module adds is the work list
   one pass over the expert's weights gives both, and the epilogue writes SiLU(g) * u.
 * Split-K: as the GEMV, fp32 partials in a workspace (slot, group, pass, split, row, col) and
   a self-resetting counter per (slot, group); the last CTA sums them in split order, so
-  results are bit-identical run to run.
+  results are bit-identical run to run. Or (``cluster``, sm_90): the splits of a work item
+  form a cluster and sum their partials through distributed shared memory, in the same
+  order (the same bits), without the workspace's round trips through L2.
 * Overlap (sm_90, programmatic dependent launch): a launch may start while the kernel before
   it on the stream still runs. Everything waits for that kernel (``griddepcontrol.wait``)
   before it touches memory, and a CTA lets the next launch start after its K loops, so that
@@ -47,6 +49,7 @@ from cutlass.memory import SmemAllocator
 from ..format import BLOCKS_PER_TILE_K, TILE_K, TILE_N
 from ..layouts import weight_absmax_layout, weight_words_layout
 from .device_helpers import (
+    load_cluster_f32,
     prefetch_l2,
     split_k_arrive,
     sum_split_partials,
@@ -84,11 +87,18 @@ class GroupedGemvKernel(GemvKernel):
     """One CTA per (column group, K split, slot). Compile-time config: bits ``k``,
     activation dtype, ``gate_up`` (fused SiLU(g) * u)."""
 
-    def __init__(self, k: int, dtype: type[cutlass.Numeric], gate_up: bool, stages=None):
+    def __init__(
+        self, k: int, dtype: type[cutlass.Numeric], gate_up: bool, stages=None, cluster=None
+    ):
         # Register lookups, one quad of column warps per CTA (a 64 KB pair table per CTA
         # would cost CTAs per SM; measured: a second quad on the CTA's K tiles gains nothing).
         super().__init__(k, ROWS_PER_PASS, dtype, stages, lookup=LOOKUP[k], quads=1)
         self.gate_up = gate_up
+        # ``cluster`` = C (sm_90): the launch's C K splits of a work item form a cluster and
+        # sum their partials through distributed shared memory, without the workspace's L2
+        # round trips (partials out, counter, partials back); the host then launches
+        # exactly C splits. (sm_80 has no clusters: the workspace path.)
+        self.cluster = cluster if self.pdl else None
         # Register cap: as many CTAs per SM as the shared-memory rings allow on the target
         # (at most 6), so the compiler keeps each thread to what that many CTAs can have.
         ring_bytes = 4 * self.stage_words() * self.stages * WARPS
@@ -133,13 +143,14 @@ class GroupedGemvKernel(GemvKernel):
         mOut = cute.make_tensor(pOut, cute.make_layout((R, n_out), stride=(n_out, 1)))
         mOff = cute.make_tensor(pOffsets, cute.make_layout(E + 1))
         mScale = cute.make_tensor(pScale, cute.make_layout(E))
+        cluster = {"cluster": [1, self.cluster, 1]} if self.cluster else {}
         self.kernel(
             mA, mW, mS, pCodebook, mScale, mOff, mOut, pWorkspace, pCounters,
             n_tiles, k_tiles, inter, groups, max_passes, splits, overlap,
         ).launch(
             grid=[groups, splits, slots], block=[self.threads, 1, 1], stream=stream,
             min_blocks_per_mp=self.min_ctas_per_sm, preferred_smem_carveout=-1,
-            use_pdl=self.pdl,
+            use_pdl=self.pdl, **cluster,
         )  # fmt: skip
 
     @cute.kernel
@@ -188,7 +199,7 @@ class GroupedGemvKernel(GemvKernel):
         # Split-K partials have room for max_passes * 8 rows (the caller's bound); rows past
         # it are written as NaN rather than silently left out.
         done = rows
-        if splits > 1:
+        if splits > 1 and not cutlass.const_expr(self.cluster):
             done = cutlass.min(rows, max_passes * ROWS_PER_PASS)
         if expert >= 0:
             if cutlass.const_expr(self.gate_up):
@@ -242,7 +253,7 @@ class GroupedGemvKernel(GemvKernel):
             if overlap == 0:
                 self.let_next_start()
 
-            if splits > 1:
+            if splits > 1 and not cutlass.const_expr(self.cluster):
                 if split_k_arrive(pCounters + slot * groups + group, splits, sFlag) != 0:
                     self.reduce_splits(mWs, scale, mOut, sFlag, splits, done, row_begin, cta_col)
                 if split == 0 and rows > done:
@@ -331,11 +342,13 @@ class GroupedGemvKernel(GemvKernel):
         for r in cutlass.range_constexpr(ROW_TILES):
             for i in cutlass.range_constexpr(4):
                 c = warp * 32 + g + 16 * r + 8 * (i // 2)  # CTA-local column
-                if splits > 1:
+                if splits > 1 and not cutlass.const_expr(self.cluster):
                     mWs[c, 2 * t + i % 2, split, p] = acc[r][i]
                 else:
                     sOut[2 * t + i % 2, c] = acc[r][i]
-        if splits == 1:
+        if cutlass.const_expr(self.cluster):
+            self.cluster_reduce(sOut, scale, mOut, row_begin, p, left, cta_col)
+        elif splits == 1:
             cute.arch.sync_threads()
             cols = GATE_UP_COLS if cutlass.const_expr(self.gate_up) else COLS_PER_GROUP
             for j in cutlass.range_constexpr(ROWS_PER_PASS * cols // self.threads):
@@ -346,6 +359,34 @@ class GroupedGemvKernel(GemvKernel):
                     up = sOut[m, c + GATE_UP_COLS]
                 self.store_row(sOut[m, c], up, scale, mOut, row_begin, p, m, left, cta_col + c)
             cute.arch.sync_threads()  # sOut is rewritten by the next pass
+
+    @cute.jit
+    def cluster_reduce(self, sOut, scale, mOut, row_begin, p, left, cta_col):
+        """Cluster path of a pass: every split has its partials in its sOut; CTA rank r sums
+        the r-th slice of the outputs over the cluster's sOut buffers in split order and
+        stores it. Cluster barriers before (all partials written) and after (no sOut is
+        rewritten or released while another CTA reads it)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        C = self.cluster
+        rank = cute.arch.block_idx_in_cluster()
+        cols = GATE_UP_COLS if cutlass.const_expr(self.gate_up) else COLS_PER_GROUP
+        per_cta = cols // C
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        bases = [cute.arch.map_dsmem_ptr(sOut.iterator, s) for s in range(C)]
+        for j in cutlass.range_constexpr(-(-ROWS_PER_PASS * per_cta // self.threads)):
+            o = tidx + j * self.threads
+            if o < ROWS_PER_PASS * per_cta:
+                m, c = o // per_cta, rank * per_cta + o % per_cta
+                at = cute.crd2idx((m, c), sOut.layout)
+                v, up = Float32(0.0), Float32(0.0)
+                for s in cutlass.range_constexpr(C):  # split order: deterministic
+                    v = v + load_cluster_f32(bases[s] + at)
+                    if cutlass.const_expr(self.gate_up):
+                        up = up + load_cluster_f32(bases[s] + (at + GATE_UP_COLS))
+                self.store_row(v, up, scale, mOut, row_begin, p, m, left, cta_col + c)
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
 
     @cute.jit
     def store_row(self, v, up, scale, mOut, row_begin, p, m, left, col):
@@ -735,9 +776,11 @@ def grouped_stream_spec(k: int, dtype: str, gate_up: bool, stages: int | None = 
                       expect=("LDGSTS", "HMMA"))  # fmt: skip
 
 
-def grouped_gemv_spec(k: int, dtype: str, gate_up: bool, stages: int | None = None):
+def grouped_gemv_spec(
+    k: int, dtype: str, gate_up: bool, stages: int | None = None, cluster: int | None = None
+):
     """The compiled variant of ``GroupedGemvKernel`` (bits, dtype name, fused gate/up;
-    ``stages`` overrides the ring depth, for tuning)."""
+    ``stages`` overrides the ring depth; ``cluster``: K splits summed in a cluster)."""
     from ..compile import KernelSpec, fake_ptr, fake_stream
 
     def build():
@@ -749,10 +792,10 @@ def grouped_gemv_spec(k: int, dtype: str, gate_up: bool, stages: int | None = No
             Int32(1), Int32(128), Int32(64), Int32(1), Int32(1), Int32(1), Int32(1), Int32(0),
             fake_stream(),
         )  # fmt: skip
-        return GroupedGemvKernel(k, dt, gate_up, stages), args
+        return GroupedGemvKernel(k, dt, gate_up, stages, cluster), args
 
     kind = "gate_up" if gate_up else "down"
-    suffix = f"_s{stages}" if stages else ""
+    suffix = (f"_s{stages}" if stages else "") + (f"_c{cluster}" if cluster else "")
     return KernelSpec(f"grouped_gemv_{kind}_k{k}_{dtype}{suffix}", build, expect=("LDGSTS", "HMMA"))
 
 
@@ -762,11 +805,26 @@ def grouped_gemv_spec(k: int, dtype: str, gate_up: bool, stages: int | None = No
 DECODE_STAGES = 5
 
 
+# K splits a decode launch may sum in a cluster (distributed shared memory) on sm_90 (4
+# measured slower: the cluster barrier waits for the slowest of four).
+CLUSTER_SPLITS = (2,)
+
+
 def specs():
-    return [
-        grouped_gemv_spec(k, d, gu, stages)
-        for k in (2, 3, 4, 5)
-        for d in _DTYPES
-        for gu in (False, True)
-        for stages in (None, DECODE_STAGES)
-    ] + [grouped_stream_spec(k, d, gu) for k in (2, 3, 4, 5) for d in _DTYPES for gu in (0, 1)]
+    return (
+        [
+            grouped_gemv_spec(k, d, gu, stages)
+            for k in (2, 3, 4, 5)
+            for d in _DTYPES
+            for gu in (False, True)
+            for stages in (None, DECODE_STAGES)
+        ]
+        + [
+            grouped_gemv_spec(k, d, gu, DECODE_STAGES, c)
+            for k in (2, 3, 4, 5)
+            for d in _DTYPES
+            for gu in (False, True)
+            for c in CLUSTER_SPLITS
+        ]
+        + [grouped_stream_spec(k, d, gu) for k in (2, 3, 4, 5) for d in _DTYPES for gu in (0, 1)]
+    )
