@@ -72,6 +72,54 @@ _LOG2_E = 1.4426950408889634
 SCAN_PER_THREAD = 4  # experts each thread checks per round of the slot -> expert scan
 
 
+@cute.jit
+def expert_tensors(k, gate_up, pA, pPacked, pAbsmax, pScale, pOffsets, pOut, R, N, K, E):
+    """The grouped launch's global tensors (A, words, absmax, scales, offsets, out; the
+    weights as one expert's layout, each expert ``expert`` of them further on) and sizes
+    (column tiles, K tiles, intermediate, column groups: 64 outputs with gate/up)."""
+    K = cute.assume(K, divby=32)
+    n_tiles = (N + TILE_N - 1) // TILE_N
+    k_tiles = (K + TILE_K - 1) // TILE_K
+    inter = N // 2  # gate/up: I = N / 2, a multiple of 64 (the host checks)
+    n_out = inter if cutlass.const_expr(gate_up) else N
+    groups = inter // GATE_UP_COLS if cutlass.const_expr(gate_up) else n_tiles
+    tensors = (
+        cute.make_tensor(pA, cute.make_layout((R, K), stride=(K, 1))),
+        cute.make_tensor(pPacked, weight_words_layout(n_tiles, k_tiles, k)),
+        cute.make_tensor(pAbsmax, weight_absmax_layout(n_tiles, k_tiles)),
+        cute.make_tensor(pScale, cute.make_layout(E)),
+        cute.make_tensor(pOffsets, cute.make_layout(E + 1)),
+        cute.make_tensor(pOut, cute.make_layout((R, n_out), stride=(n_out, 1))),
+    )
+    return tensors, (n_tiles, k_tiles, inter, groups)
+
+
+@cute.jit
+def cta_prefix_count(mine: Int32, sWarp: cute.Tensor, warps: cutlass.Constexpr):
+    """(sum of ``mine`` over the CTA's threads before this one, sum over all): a shuffle scan
+    per warp, the warp totals through ``sWarp`` (``warps`` entries). Syncs the CTA once; sync
+    again before ``sWarp`` is rewritten."""
+    tidx, _, _ = cute.arch.thread_idx()
+    warp, lane = tidx // 32, tidx % 32
+    incl = mine  # inclusive prefix over the warp
+    for step in cutlass.range_constexpr(5):
+        d = 1 << step
+        other = cute.arch.shuffle_sync_up(incl, d)
+        if lane >= d:
+            incl = incl + other
+    if lane == 31:
+        sWarp[warp] = incl
+    cute.arch.sync_threads()
+    before = incl - mine
+    total = Int32(0)
+    for w in cutlass.range_constexpr(warps):
+        n_w = sWarp[w]
+        total = total + n_w
+        if w < warp:
+            before = before + n_w
+    return before, total
+
+
 def cta_column_layout(gate_up: bool, intermediate: int = GATE_UP_COLS) -> cute.Layout:
     """(mma row g, column half h, row tile r, warp w) -> weight column, relative to the CTA's
     first column. Dense: the CTA's 128 columns, warp w the w-th 32. Gate/up: warps 0-1 take
@@ -127,22 +175,11 @@ class GroupedGemvKernel(GemvKernel):
         overlap: Int32,  # nonzero: offsets and weights may be read before the wait
         stream: cuda.CUstream,
     ):
-        K = cute.assume(K, divby=32)
-        n_tiles = (N + TILE_N - 1) // TILE_N
-        k_tiles = (K + TILE_K - 1) // TILE_K
-        inter = N // 2
-        n_out = inter if cutlass.const_expr(self.gate_up) else N
-        groups = (
-            (inter + GATE_UP_COLS - 1) // GATE_UP_COLS
-            if cutlass.const_expr(self.gate_up)
-            else n_tiles
+        tensors, sizes = expert_tensors(
+            self.k, self.gate_up, pA, pPacked, pAbsmax, pScale, pOffsets, pOut, R, N, K, E
         )
-        mW = cute.make_tensor(pPacked, weight_words_layout(n_tiles, k_tiles, self.k))
-        mS = cute.make_tensor(pAbsmax, weight_absmax_layout(n_tiles, k_tiles))
-        mA = cute.make_tensor(pA, cute.make_layout((R, K), stride=(K, 1)))
-        mOut = cute.make_tensor(pOut, cute.make_layout((R, n_out), stride=(n_out, 1)))
-        mOff = cute.make_tensor(pOffsets, cute.make_layout(E + 1))
-        mScale = cute.make_tensor(pScale, cute.make_layout(E))
+        mA, mW, mS, mScale, mOff, mOut = tensors
+        n_tiles, k_tiles, inter, groups = sizes
         cluster = {"cluster": [1, self.cluster, 1]} if self.cluster else {}
         self.kernel(
             mA, mW, mS, pCodebook, mScale, mOff, mOut, pWorkspace, pCounters,
@@ -286,7 +323,6 @@ class GroupedGemvKernel(GemvKernel):
         expert -1. Each round, every thread checks SCAN_PER_THREAD consecutive experts; a
         prefix count over the CTA ranks the busy ones."""
         tidx, _, _ = cute.arch.thread_idx()
-        warp, lane = tidx // 32, tidx % 32
         E = cute.size(mOff) - 1
         per_round = self.threads * SCAN_PER_THREAD
         W = WARPS
@@ -302,23 +338,8 @@ class GroupedGemvKernel(GemvKernel):
             mine = busy[0]
             for j in cutlass.range_constexpr(1, SCAN_PER_THREAD):
                 mine = mine + busy[j]
-            incl = mine  # inclusive prefix over the warp
-            for step in cutlass.range_constexpr(5):
-                d = 1 << step
-                other = cute.arch.shuffle_sync_up(incl, d)
-                if lane >= d:
-                    incl = incl + other
-            if lane == 31:
-                sScan[warp] = incl
-            cute.arch.sync_threads()
-            before = base + incl - mine
-            total = Int32(0)
-            for w in cutlass.range_constexpr(WARPS):
-                n_w = sScan[w]
-                total = total + n_w
-                if w < warp:
-                    before = before + n_w
-            rank = before
+            before, total = cta_prefix_count(mine, sScan, WARPS)
+            rank = base + before
             for j in cutlass.range_constexpr(SCAN_PER_THREAD):
                 if busy[j] != 0:
                     if rank == slot:
@@ -492,18 +513,11 @@ class GroupedStreamKernel(GemvKernel):
         overlap: Int32,  # nonzero: offsets and weights may be read before the wait
         stream: cuda.CUstream,
     ):
-        K = cute.assume(K, divby=32)
-        n_tiles = (N + TILE_N - 1) // TILE_N
-        k_tiles = (K + TILE_K - 1) // TILE_K
-        inter = N // 2
-        n_out = inter if cutlass.const_expr(self.gate_up) else N
-        groups = inter // GATE_UP_COLS if cutlass.const_expr(self.gate_up) else n_tiles
-        mW = cute.make_tensor(pPacked, weight_words_layout(n_tiles, k_tiles, self.k))
-        mS = cute.make_tensor(pAbsmax, weight_absmax_layout(n_tiles, k_tiles))
-        mA = cute.make_tensor(pA, cute.make_layout((R, K), stride=(K, 1)))
-        mOut = cute.make_tensor(pOut, cute.make_layout((R, n_out), stride=(n_out, 1)))
-        mOff = cute.make_tensor(pOffsets, cute.make_layout(E + 1))
-        mScale = cute.make_tensor(pScale, cute.make_layout(E))
+        tensors, sizes = expert_tensors(
+            self.k, self.gate_up, pA, pPacked, pAbsmax, pScale, pOffsets, pOut, R, N, K, E
+        )
+        mA, mW, mS, mScale, mOff, mOut = tensors
+        n_tiles, k_tiles, inter, groups = sizes
         mWs = cute.make_tensor(
             pWorkspace,
             cute.make_layout(
@@ -624,7 +638,6 @@ class GroupedStreamKernel(GemvKernel):
         every thread checks SCAN_PER_THREAD consecutive experts; a prefix count over the CTA
         places their slots."""
         tidx, _, _ = cute.arch.thread_idx()
-        warp, lane = tidx // 32, tidx % 32
         E = cute.size(mOff) - 1
         base = Int32(0)  # slots before this round
         for first in cutlass.range(0, E, self.threads * SCAN_PER_THREAD, unroll=1):
@@ -641,22 +654,8 @@ class GroupedStreamKernel(GemvKernel):
             mine = passes[0]
             for j in cutlass.range_constexpr(1, SCAN_PER_THREAD):
                 mine = mine + passes[j]
-            incl = mine  # inclusive prefix over the warp
-            for step in cutlass.range_constexpr(5):
-                d = 1 << step
-                other = cute.arch.shuffle_sync_up(incl, d)
-                if lane >= d:
-                    incl = incl + other
-            if lane == 31:
-                sWarp[warp] = incl
-            cute.arch.sync_threads()
-            rank = base + incl - mine
-            total = Int32(0)
-            for w in cutlass.range_constexpr(self.warps):
-                n_w = sWarp[w]
-                total = total + n_w
-                if w < warp:
-                    rank = rank + n_w
+            before, total = cta_prefix_count(mine, sWarp, self.warps)
+            rank = base + before
             for j in cutlass.range_constexpr(SCAN_PER_THREAD):
                 for p in cutlass.range(passes[j], unroll=1):
                     if rank < slots:
