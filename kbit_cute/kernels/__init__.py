@@ -1,4 +1,4 @@
-"""CuTe DSL kernels: one kernel class per module, shared device helpers in ``device_helpers``."""
+"""CuTe DSL kernels: one kernel family per module, shared device helpers in ``device_helpers``."""
 
 from __future__ import annotations
 
