@@ -205,11 +205,6 @@ _WORKSPACE_LIMIT = 64 << 20
 _SMALL_LAUNCH_BYTES = 24 << 20
 _DECODE_STAGES = 5  # kernels.grouped_gemv.DECODE_STAGES (not imported: keeps cutlass lazy)
 _CLUSTER_SPLITS = (2,)  # kernels.grouped_gemv.CLUSTER_SPLITS
-# Decode launches that sum 2 K splits in a cluster by default: gate_up only. Measured
-# (``python -m perf moe --t 1 --k 4``, us, Qwen3-Coder-Next / GLM-4.7-Flash /
-# DeepSeek-V2-Lite): none 17.0 / 19.6 / 25.3, gate_up 16.9 / 19.6 / 24.3, down 17.0 /
-# 21.3 / 27.5, both 17.0 / 21.3 / 23.6; 4 splits in a cluster: Qwen 19.9, GLM 27.7.
-_CLUSTER_LAUNCHES = ("gate_up",)
 
 
 def _is_decode_launch(gate_up: bool, slots: int, expert_bytes: int) -> bool:
@@ -283,7 +278,7 @@ def _launch(
         raise ValueError(f"{stream_slots_bound} work slots exceed the stream kernel's table")
     if kernel == "stream":
         _launch_stream(gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, out, E,
-                       stream_slots_bound, stages, overlap, expert_bytes, props,
+                       stream_slots_bound, stages, overlap, expert_bytes, dev, props.sm_count,
                        min_run)  # fmt: skip
         return
     slots = min(E, R)
@@ -297,24 +292,29 @@ def _launch(
         splits //= 2
     small = _is_decode_launch(gate_up, slots, expert_bytes)
     stages = stages or (_DECODE_STAGES if small else None)
-    # Decode gate_up launches on sm_90 sum 2 K splits in a cluster (distributed shared
-    # memory) rather than through the workspace in L2.
+    # Decode gate_up launches sum 2 K splits in a cluster (distributed shared memory) rather
+    # than through the workspace in L2, where the target has clusters (the kernel decides).
+    # Measured (``python -m perf moe --t 1 --k 4``, us, Qwen3-Coder-Next / GLM-4.7-Flash /
+    # DeepSeek-V2-Lite): none 17.0 / 19.6 / 25.3, gate_up 16.9 / 19.6 / 24.3, down 17.0 /
+    # 21.3 / 27.5, both 17.0 / 21.3 / 23.6; 4 splits in a cluster: Qwen 19.9, GLM 27.7.
     if cluster is None:
-        which = "gate_up" if gate_up else "down"
-        cluster = props.capability >= (9, 0) and stages == _DECODE_STAGES
-        cluster = cluster and which in _CLUSTER_LAUNCHES
+        cluster = gate_up and stages == _DECODE_STAGES
     cluster_splits = splits if cluster and splits in _CLUSTER_SPLITS else None
     key = (k, A.dtype, gate_up, stages, cluster_splits)
-    fn = _launchers.get(key)
-    if fn is None:
-        from .kernels.grouped_gemv import grouped_gemv_spec
+    entry = _launchers.get(key)
+    if entry is None:
+        from .kernels.gemv import _DTYPES
+        from .kernels.grouped_gemv import GroupedGemvKernel, grouped_gemv_spec
 
-        spec = grouped_gemv_spec(k, _GEMV_DTYPES[A.dtype], gate_up, stages, cluster_splits)
-        fn = _launchers[key] = launcher(spec)
+        dt = _GEMV_DTYPES[A.dtype]
+        in_cluster = GroupedGemvKernel(k, _DTYPES[dt], gate_up, stages, cluster_splits).cluster
+        spec = grouped_gemv_spec(k, dt, gate_up, stages, cluster_splits)
+        entry = _launchers[key] = (launcher(spec), bool(in_cluster))
+    fn, in_cluster = entry
     # The GEMV's split-K scratch of this stream (driver memory, safe to first allocate during
     # a graph capture): kernels on one stream run one after another, and each leaves its
-    # counters at zero.
-    ws_elems = per_split * splits if splits > 1 and not cluster_splits else 1
+    # counters at zero. A cluster launch sums its splits without it.
+    ws_elems = per_split * splits if splits > 1 and not in_cluster else 1
     ws, counters = _split_scratch(dev, current_raw_stream(dev), ws_elems, slots * groups)
     prefetch = overlap and small
     fn(A, packed, absmax, codebook, scale, offsets, out, ws, counters,
@@ -323,10 +323,9 @@ def _launch(
 
 def _launch_stream(
     gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, out, E, slots, stages,
-    overlap, expert_bytes, props, min_run=None,
+    overlap, expert_bytes, dev, sm_count, min_run=None,
 ):  # fmt: skip
     """``GroupedStreamKernel``: one wave of CTAs; the kernel cuts the work into runs."""
-    dev = A.get_device()
     key = ("stream", k, A.dtype, gate_up, stages)
     entry = _launchers.get(key)
     if entry is None:
@@ -338,7 +337,7 @@ def _launch_stream(
         spec = grouped_stream_spec(k, dt, gate_up, stages)
         entry = _launchers[key] = (launcher(spec), kern.quads, kern.ctas_per_sm)
     fn, quads, ctas_per_sm = entry
-    ctas = props.sm_count * ctas_per_sm
+    ctas = sm_count * ctas_per_sm
     groups = N // 2 // (_CTA_COLS // 2) if gate_up else -(-N // _CTA_COLS)
     ws, counters = _split_scratch(dev, current_raw_stream(dev),
                                   2 * ctas * quads * ROWS_PER_PASS * _CTA_COLS,

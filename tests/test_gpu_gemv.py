@@ -120,8 +120,10 @@ def test_gemv_under_cuda_graph(weights):
 @pytest.mark.parametrize("workers", ["s1", 13])
 @pytest.mark.parametrize("k", [2, 3, 4])
 def test_gemv_pair_table_option(k, workers, dtype, weights):
-    """The shared-memory pair-table lookup, 8 stream-K quads per CTA sharing one table (a
-    tuning option of GemvKernel, not the default of any k), against the reference."""
+    """The shared-memory pair-table lookup with 8 stream-K quads per CTA sharing one table
+    (a tuning option: the default CTA holds at most 7), against the reference; the split-K
+    counters are left at zero."""
+    from perf import gemv_kernel_check
     from perf.gemv_kernel_check import run_gemv
 
     K, N, M = 1056, 1000, 3
@@ -131,3 +133,4 @@ def test_gemv_pair_table_option(k, workers, dtype, weights):
     run_gemv(A, qw, out, workers, None, "pair_table", 8)
     assert not torch.isnan(out).any()
     assert rel_err(out, reference(A, qw)) < TOL[dtype]
+    assert not gemv_kernel_check._counters.any(), "split-K counters must be left at zero"

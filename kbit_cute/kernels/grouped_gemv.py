@@ -95,6 +95,27 @@ def expert_tensors(k, gate_up, pA, pPacked, pAbsmax, pScale, pOffsets, pOut, R, 
 
 
 @cute.jit
+def expert_weights(mW: cute.Tensor, mS: cute.Tensor, expert, k: cutlass.Constexpr):
+    """Expert ``expert``'s words and absmax: ``mW`` / ``mS`` (laid out as one expert) moved
+    to its weights. Experts lie back to back, each a whole number of repack tiles (>= 1 KB
+    apart)."""
+    absmax_bytes = cute.size(mS.layout)  # one expert's: k words per absmax byte
+    w_first = cute.assume(Int64(expert) * Int64(absmax_bytes * k), divby=TILE_N)
+    s_first = cute.assume(Int64(expert) * Int64(absmax_bytes), divby=TILE_N)
+    return (
+        cute.make_tensor(mW.iterator + w_first, mW.layout),
+        cute.make_tensor(mS.iterator + s_first, mS.layout),
+    )
+
+
+@cute.jit
+def silu_times(gate: Float32, up: Float32) -> Float32:
+    """SiLU(gate) * up, the fused gate/up epilogue (fp32)."""
+    e = cute.math.exp2(gate * Float32(-_LOG2_E), fastmath=True)
+    return gate / (Float32(1.0) + e) * up
+
+
+@cute.jit
 def cta_prefix_count(mine: Int32, sWarp: cute.Tensor, warps: cutlass.Constexpr):
     """(sum of ``mine`` over the CTA's threads before this one, sum over all): a shuffle scan
     per warp, the warp totals through ``sWarp`` (``warps`` entries). Syncs the CTA once; sync
@@ -246,13 +267,7 @@ class GroupedGemvKernel(GemvKernel):
                 cta_col = group * COLS_PER_GROUP
                 lay = cta_column_layout(False)
             col0 = cta_col + cute.crd2idx((g, 0, 0, warp), lay)
-            absmax_bytes = n_tiles * k_tiles * TILE_N * (TILE_K // 32)
-            words = absmax_bytes * self.k
-            # Every expert's words and absmax start 1 KB apart at least (whole repack tiles).
-            w_first = cute.assume(Int64(expert) * Int64(words), divby=TILE_N)
-            s_first = cute.assume(Int64(expert) * Int64(absmax_bytes), divby=TILE_N)
-            mWe = cute.make_tensor(mW.iterator + w_first, mW.layout)
-            mSe = cute.make_tensor(mS.iterator + s_first, mS.layout)
+            mWe, mSe = expert_weights(mW, mS, expert, self.k)
             scale = mScale[expert]
             kt_begin = split * k_tiles // splits
             kt_end = (split + 1) * k_tiles // splits
@@ -417,9 +432,7 @@ class GroupedGemvKernel(GemvKernel):
         if m < left and col < n_out:
             r = v * scale
             if cutlass.const_expr(self.gate_up):
-                e = cute.math.exp2(r * Float32(-_LOG2_E), fastmath=True)
-                r = r / (Float32(1.0) + e)  # SiLU
-                r = r * (up * scale)
+                r = silu_times(r, up * scale)
             mOut[row_begin + p * ROWS_PER_PASS + m, col] = self.dtype(r)
 
     @cute.jit
@@ -596,8 +609,6 @@ class GroupedStreamKernel(GemvKernel):
 
         per_group = GATE_UP_COLS if cutlass.const_expr(self.gate_up) else COLS_PER_GROUP
         lay = stream_column_layout(self.gate_up, inter)
-        expert_words = n_tiles * k_tiles * TILE_N * BLOCKS_PER_TILE_K * self.k
-        expert_bytes = n_tiles * k_tiles * TILE_N * BLOCKS_PER_TILE_K
         for strip in cutlass.range(strip_first, strip_end, unroll=1):
             kt_begin = cutlass.max(u_begin - strip * k_tiles, 0)
             kt_end = cutlass.min(u_end - strip * k_tiles, k_tiles)
@@ -605,11 +616,7 @@ class GroupedStreamKernel(GemvKernel):
             group = strip - slot * groups
             expert = sSlots[0, slot]
             row_begin, rows = sSlots[1, slot] >> 4, sSlots[1, slot] & 15
-            # Every expert's words and absmax start 1 KB apart at least (whole repack tiles).
-            w_first = cute.assume(Int64(expert) * Int64(expert_words), divby=TILE_N)
-            s_first = cute.assume(Int64(expert) * Int64(expert_bytes), divby=TILE_N)
-            mWe = cute.make_tensor(mW.iterator + w_first, mW.layout)
-            mSe = cute.make_tensor(mS.iterator + s_first, mS.layout)
+            mWe, mSe = expert_weights(mW, mS, expert, self.k)
             col0 = group * per_group + cute.crd2idx((g, 0, 0, wn), lay)
             second = None
             if cutlass.const_expr(self.gate_up):
@@ -674,9 +681,6 @@ class GroupedStreamKernel(GemvKernel):
         if cutlass.const_expr(self.pdl):
             warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
             wn = warp % WARPS
-            n_tiles = mW.shape[0][1]
-            expert_words = n_tiles * k_tiles * TILE_N * BLOCKS_PER_TILE_K * self.k
-            expert_bytes = n_tiles * k_tiles * TILE_N * BLOCKS_PER_TILE_K
             per_group = GATE_UP_COLS if cutlass.const_expr(self.gate_up) else COLS_PER_GROUP
             lay = stream_column_layout(self.gate_up, inter)
             u_begin, u_end, strip_first, strip_end = run
@@ -684,11 +688,9 @@ class GroupedStreamKernel(GemvKernel):
                 kt_begin = cutlass.max(u_begin - strip * k_tiles, 0)
                 kt_end = cutlass.min(u_end - strip * k_tiles, k_tiles)
                 slot = strip // groups
-                expert = sSlots[0, slot]
+                mWe, mSe = expert_weights(mW, mS, sSlots[0, slot], self.k)
                 wcol = (strip - slot * groups) * per_group + cute.crd2idx((0, 0, 0, wn), lay)
-                second = wcol + cute.crd2idx((0, 0, 1, 0), lay)
-                if cutlass.const_expr(not self.gate_up):
-                    second = wcol + 16
+                second = wcol + cute.crd2idx((0, 0, 1, 0), lay)  # dense: wcol + 16
                 jobs = (kt_end - kt_begin) * 4  # (K tile, run of 16, words | absmax)
                 for j in cutlass.range(lane, jobs, 32, unroll=1):
                     kt = kt_begin + j // 4
@@ -697,15 +699,11 @@ class GroupedStreamKernel(GemvKernel):
                         col = second
                     tile_col = (col % TILE_N, col // TILE_N)
                     if j % 2 == 0:
-                        off = Int64(expert) * Int64(expert_words) + Int64(
-                            cute.crd2idx((tile_col, (0, kt), 0), mW.layout)
-                        )
-                        prefetch_l2(mW.iterator + off, 16 * BLOCKS_PER_TILE_K * self.k * 4)
+                        off = cute.crd2idx((tile_col, (0, kt), 0), mWe.layout)
+                        prefetch_l2(mWe.iterator + off, 16 * BLOCKS_PER_TILE_K * self.k * 4)
                     else:
-                        off = Int64(expert) * Int64(expert_bytes) + Int64(
-                            cute.crd2idx((tile_col, (0, kt)), mS.layout)
-                        )
-                        prefetch_l2(mS.iterator + off, 16 * BLOCKS_PER_TILE_K)
+                        off = cute.crd2idx((tile_col, (0, kt)), mSe.layout)
+                        prefetch_l2(mSe.iterator + off, 16 * BLOCKS_PER_TILE_K)
 
     @cute.jit
     def store_fragment(self, acc, epi, wn, t):
@@ -748,8 +746,7 @@ class GroupedStreamKernel(GemvKernel):
         if m < rows and col < n_out:
             r = v * scale
             if cutlass.const_expr(self.gate_up):
-                e = cute.math.exp2(r * Float32(-_LOG2_E), fastmath=True)
-                r = r / (Float32(1.0) + e) * (up * scale)  # SiLU(g) * u
+                r = silu_times(r, up * scale)
             mOut[m, col] = self.dtype(r)
 
 
