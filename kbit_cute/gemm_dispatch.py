@@ -19,6 +19,8 @@ graph may still point at an outgrown one). With one split the kernel touches non
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from . import device as _device
@@ -196,12 +198,13 @@ def _resolve(M, N, K, k, dev, config, splits) -> tuple[GemmConfig, int]:
         got = _plans.get(key)
         if got is None:
             props = _device.check_device(dev)
-            got = _plans[key] = plan(M, N, K, k, props.sm_count)
+            cfg, splits = plan(M, N, K, k, props.sm_count)
+            got = _plans[key] = (_fitting(cfg, k, props), splits)
             _check_smem(got[0], k, props)
         return got
     props = _device.check_device(dev)
     if config is None:
-        cfg = plan(M, N, K, k, props.sm_count)[0]
+        cfg = _fitting(plan(M, N, K, k, props.sm_count)[0], k, props)
     elif isinstance(config, str):
         cfg = GemmConfig.parse(config)
     elif isinstance(config, GemmConfig):
@@ -218,6 +221,14 @@ def _resolve(M, N, K, k, dev, config, splits) -> tuple[GemmConfig, int]:
     if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= 65535:
         raise ValueError(f"splits must be an int in 1..65535, got {splits!r}")
     return cfg, splits
+
+
+def _fitting(cfg: GemmConfig, k: int, props) -> GemmConfig:
+    """The table's config, or its compact-table twin where the lane-replicated pair table
+    does not fit this GPU's shared memory (the H100-measured table on an A100: 163 KB)."""
+    if cfg.lane_table and cfg.smem_bytes(k) > props.smem_per_block_optin:
+        return dataclasses.replace(cfg, lane_table=False)
+    return cfg
 
 
 def _check_smem(cfg: GemmConfig, k: int, props) -> None:

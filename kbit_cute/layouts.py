@@ -242,6 +242,7 @@ GEMM_PLANS = (
     "absmax_copy_plan",
     "table_passes",
     "table_plan",
+    "table_store_bytes",
     "c_smem_layout",
 )
 
@@ -329,9 +330,15 @@ def _gemm_stores(kern, a_stage0) -> dict[str, Entry]:
             by_pass(lambda t, _: kern.absmax_copy_plan(t), 1, lambda b: plan["s"] + b, 16),
         ),
         "table_store_smem": SmemAccess(
-            f"pair table, 2^{2 * kern.k} packed codebook pairs: one 32-bit store per entry "
-            "(table_plan)",
-            by_pass(kern.table_plan, kern.table_passes(), lambda p: plan["table"] + 4 * p, 4),
+            f"pair table, 2^{2 * kern.k} packed codebook pairs"
+            + (", one copy per lane: 16 B (4 lanes' copies)" if cfg.lane_table else ": 4 B")
+            + " per thread and pass (table_plan)",
+            by_pass(
+                kern.table_plan,
+                kern.table_passes(),
+                lambda dst: plan["table"] + dst[1],
+                kern.table_store_bytes(),
+            ),
         ),
         "c_store_smem": SmemAccess(
             "epilogue staging, registers -> shared: thr_mma.partition_C(sC) (c_smem_layout), "

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -45,22 +46,25 @@ TABLE_PATH = Path(__file__).resolve().parent.parent / "kbit_cute" / "kernels" / 
 
 # Tuning: (bucket's m_max, representative M, candidate configs). The last bucket covers all
 # larger M; its representatives are 1024 and 4096.
-BUCKETS = [
-    (16, [16], ["m16n128k64s4w1x4", "m16n128k128s4w1x4", "m16n256k64s4w1x8", "m16n128k64s6w1x4"]),
-    (32, [32], ["m32n128k64s4w1x4", "m32n256k64s3w1x8", "m16n128k64s4w1x4", "m32n128k128s3w1x4"]),
-    (64, [64], ["m64n128k64s3w1x4", "m64n256k64s3w1x8", "m32n128k64s4w1x4", "m64n128k64s4w1x4"]),
-    (
-        128,
-        [128],
-        ["m128n128k64s3w1x8", "m64n128k64s3w1x4", "m128n128k64s3w2x4", "m64n256k64s3w1x8"],
-    ),
-    (
-        256,
-        [256],
-        ["m128n128k64s3w1x8", "m128n128k64s3w2x4", "m128n128k128s3w1x8", "m64n256k64s3w1x8"],
-    ),
-    (1 << 31, [1024, 4096], ["m128n128k64s3w1x8", "m128n128k64s3w2x4", "m128n128k128s3w1x8"]),
+# Names ending in "l" use the lane-replicated pair table (GemmConfig.lane_table).
+_LARGE_TILES = [
+    "m64n256k64s3w1x4",
+    "m128n128k64s4w2x2",
+    "m64n256k64s3w1x4l",
+    "m128n128k64s4w2x2l",
+    "m128n256k64s3w2x4l",
 ]
+BUCKETS = [
+    (16, [16], ["m16n128k64s4w1x4", "m16n128k128s4w1x4", "m16n256k64s4w1x4",
+                "m16n128k64s4w1x4l", "m16n128k128s4w1x4l", "m16n256k64s4w1x8l"]),
+    (32, [32], ["m32n128k64s4w1x4", "m32n128k64s4w1x2", "m32n256k64s4w1x4",
+                "m32n128k64s4w1x4l", "m32n128k64s4w1x2l", "m32n256k64s4w1x8l"]),
+    (64, [64], ["m64n128k64s3w1x4", "m64n128k64s4w1x2", "m64n256k64s3w1x4",
+                "m64n128k64s3w1x4l", "m64n256k64s3w1x4l"]),
+    (128, [128], _LARGE_TILES),
+    (256, [256], _LARGE_TILES),
+    (1 << 31, [1024, 4096], _LARGE_TILES),
+]  # fmt: skip
 CTAS_PER_SM = [1, 2, 4]
 MAX_SPLITS = 16
 REUSE_SLACK = 1.03  # prefer a config another bucket already uses when within 3%
@@ -220,6 +224,13 @@ def table_from(records: list[dict]) -> tuple[dict, dict]:
     return rules, cublas_from
 
 
+def _wrapped(text: str, width: int) -> list[str]:
+    """``text`` cut at spaces into pieces of at most ``width`` characters that concatenate
+    back to it (each piece but the last keeps its trailing space)."""
+    pieces = textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False)
+    return [p + " " for p in pieces[:-1]] + pieces[-1:]
+
+
 def write_table(rules: dict, cublas_from: dict, gpu: str, command: str, path: Path = TABLE_PATH):
     """Overwrite gemm_table.py with measured rules (k missing from ``rules`` keep theirs)."""
     from kbit_cute.kernels import gemm_table
@@ -242,14 +253,16 @@ def write_table(rules: dict, cublas_from: dict, gpu: str, command: str, path: Pa
         '"""',
         "",
         f"PROVISIONAL = {bool(partial)}" + (f"  # k = {partial} not measured" if partial else ""),
-        f"MEASURED_ON = {gpu!r}",
-        f"COMMAND = {command!r}",
+        f"MEASURED_ON = {json.dumps(gpu)}",
+        "COMMAND = (",
+        *[f"    {json.dumps(piece)}" for piece in _wrapped(command, 88)],
+        ")",
         "",
         "RULES = {",
     ]
     for k in sorted(all_rules):
         lines.append(f"    {k}: [")
-        lines += [f"        {tuple(row)!r}," for row in all_rules[k]]
+        lines += [f"        ({m}, {json.dumps(n)}, {c}, {s})," for m, n, c, s in all_rules[k]]
         lines.append("    ],")
     lines += ["}", f"CUBLAS_FROM_M = {dict(sorted(all_cublas.items()))!r}", ""]
     path.write_text("\n".join(lines))
@@ -314,11 +327,13 @@ def main(argv=None) -> None:
         print(msg, file=sys.stderr, flush=True)
 
     if args.write_table_from:
-        recs, gpus = [], set()
+        recs, gpus, tunes = [], set(), []
         for path in args.write_table_from:
             data = json.loads(path.read_text())
             recs += data["records"]
             gpus.add(data["gpu"])
+            tunes.append(data["command"])
+        command = "; ".join([*tunes, command])
         rules, cublas_from = table_from(recs)
         write_table(rules, cublas_from, " / ".join(sorted(gpus)), command)
         print(f"wrote {TABLE_PATH} for k = {sorted(rules)}")

@@ -17,7 +17,10 @@ DTYPES = (torch.float16, torch.bfloat16)
 SHAPES = GEMV_SHAPES  # (K, N): the GEMV issue's shapes, odd ones included
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 # Tilings outside the provisional table, so every TILE_M / TILE_N / TILE_K / warps_m runs.
-EXTRA_CONFIGS = ["m16n256k128s4w1x8", "m64n256k64s3w1x8", "m128n128k128s3w1x8", "m128n128k64s3w2x4"]
+EXTRA_CONFIGS = [
+    "m16n256k128s4w1x8", "m64n256k64s3w1x8", "m128n128k128s3w1x8", "m128n128k64s3w2x4",
+    "m128n256k64s3w2x4l",
+]  # fmt: skip
 
 
 def rel_err(got, ref):
@@ -92,6 +95,19 @@ def test_every_tile_config(name, weights):
     for splits in (1, 3):
         got = run(A, qw, config=name, splits=splits, deterministic=splits == 3)
         assert rel_err(got, ref) < TOL[torch.float16], splits
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", KS)
+def test_lane_table_gives_the_same_bits(k, dtype, weights):
+    """The lane-replicated pair table holds the compact table's values: same bits out."""
+    K, N = 1056, 1000
+    qw = weights(K, N, k)
+    A = torch.randn(37, K, device="cuda", dtype=dtype)
+    compact = run(A, qw, config="m16n128k64s4w1x4", splits=2, deterministic=True)
+    assert rel_err(compact, reference(A, qw)) < TOL[dtype]
+    lane = run(A, qw, config="m16n128k64s4w1x4l", splits=2, deterministic=True)
+    assert torch.equal(lane, compact)
 
 
 @pytest.mark.parametrize("splits", [2, 5, 16])

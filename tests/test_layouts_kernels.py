@@ -17,7 +17,6 @@ import cutlass.cute as cute
 import pytest
 
 import kbit_cute.layouts as kl
-from kbit_cute.gemm_dispatch import table_configs
 from kbit_cute.kernels.gemm import _C_PAD, GemmConfig, GemmKernel
 from layouts import access_phases, kernel_views, layout_at, layout_view, split_layout
 from layouts.__main__ import main
@@ -25,71 +24,6 @@ from layouts.__main__ import main
 MOE_MODULE = "kbit_cute.kernels.grouped_gemv"
 
 # --------------------------------------------------------------------------- stand-ins
-
-# The GEMM's shared-memory store plans as /work/notes/issue8_gemm_plans.diff adds them to
-# GemmKernel (the kernel calls them with its thread index; its SASS is unchanged). Until
-# gemm.py has them the tests lend the kernel these copies; once it has them, its own are
-# what is tested (and these can go).
-
-
-def _a_copy_plan(self, tidx, i):
-    cfg = self.cfg
-    chunks_row = cfg.tile_k // 8
-    rows = self.a_rows_per_pass()
-    row = tidx // chunks_row + i * rows
-    return (row, (tidx % chunks_row) * 8), rows * (i + 1) <= cfg.tile_m or row < cfg.tile_m
-
-
-def _w_copy_passes(self):
-    return -(-(self.tile_words * 4 // 16) // self.threads)
-
-
-def _w_copy_plan(self, tidx, i):
-    chunks = self.tile_words * 4 // 16
-    q = tidx + i * self.threads
-    return q * 4, chunks % self.threads == 0 or q < chunks
-
-
-def _absmax_copy_plan(self, tidx):
-    q = tidx - (self.threads - 16)
-    return q * 16, q >= 0
-
-
-def _table_passes(self):
-    return -(-(1 << (2 * self.k)) // self.threads)
-
-
-def _table_plan(self, tidx, i):
-    entries = 1 << (2 * self.k)
-    p = tidx + i * self.threads
-    return p, entries % self.threads == 0 or p < entries
-
-
-def _c_smem_layout(self):
-    cfg = self.cfg
-    return cute.make_layout((cfg.tile_m, cfg.tile_n), stride=(cfg.tile_n + _C_PAD, 1))
-
-
-_PLANS = {
-    "a_copy_plan": _a_copy_plan,
-    "w_copy_passes": _w_copy_passes,
-    "w_copy_plan": _w_copy_plan,
-    "absmax_copy_plan": _absmax_copy_plan,
-    "table_passes": _table_passes,
-    "table_plan": _table_plan,
-    "c_smem_layout": _c_smem_layout,
-}
-
-
-def _lend_plans(mp: pytest.MonkeyPatch) -> None:
-    for name, fn in _PLANS.items():
-        if not hasattr(GemmKernel, name):
-            mp.setattr(GemmKernel, name, fn, raising=False)
-
-
-@pytest.fixture
-def plans(monkeypatch):
-    _lend_plans(monkeypatch)
 
 
 def _standin_moe() -> types.ModuleType:
@@ -136,14 +70,13 @@ def _evaluated(kind: str, k: int, config: str | None = None) -> dict:
     return {n: e.evaluate() for n, e in entries.items() if isinstance(e, kl.SmemAccess)}
 
 
+GEMM_M16 = "m16n128k64s4w1x4"
+
+
 @pytest.fixture(scope="module")
 def gemm_m16():
-    """k = 4, the dispatch table's smallest config (m16n128k64s4w1x4): kernel, accesses."""
-    with pytest.MonkeyPatch.context() as mp:
-        _lend_plans(mp)
-        kern = GemmKernel(4, "f16", table_configs(4)[0])
-        assert kern.cfg.name == "m16n128k64s4w1x4"
-        return kern, _evaluated("gemm", 4)
+    """k = 4, config m16n128k64s4w1x4: kernel, accesses."""
+    return GemmKernel(4, "f16", GemmConfig.parse(GEMM_M16)), _evaluated("gemm", 4, GEMM_M16)
 
 
 # --------------------------------------------------------------------------- bank maps
@@ -191,7 +124,7 @@ def test_gemm_a_stores_are_the_kernel_copy(gemm_m16):
     assert len(phases) == 16 and max(p.ways for p in phases) == 1
 
 
-def test_gemm_a_stores_m32_passes(plans):
+def test_gemm_a_stores_m32_passes():
     """Two passes; the kernel adds rows_pass * 64 elements per pass to the pass-0 offset."""
     kern = GemmKernel(4, "f16", GemmConfig.parse("m32n128k64s4w1x4"))
     nbytes, inst = _evaluated("gemm", 4, kern.cfg.name)["a_store_smem"]
@@ -203,9 +136,9 @@ def test_gemm_a_stores_m32_passes(plans):
 
 
 @pytest.mark.parametrize("k", [2, 3, 4, 5])
-def test_gemm_b_and_table_stores(plans, k):
-    kern = GemmKernel(k, "f16", table_configs(k)[0])
-    entries = kl.kernel_layouts("gemm", k)
+def test_gemm_b_and_table_stores(k):
+    kern = GemmKernel(k, "f16", GemmConfig.parse(GEMM_M16))
+    entries = kl.kernel_layouts("gemm", k, GEMM_M16)
     chunks, plan = 64 * k, kern.plan  # 16-byte chunks of one repack tile's words
     nbytes, inst = entries["w_store_smem"].evaluate()
     assert nbytes == 16 and len(inst) == -(-chunks // 128)
@@ -225,6 +158,25 @@ def test_gemm_b_and_table_stores(plans, k):
         assert max(p.ways for p in access_phases(inst, nbytes)) == 1, name
 
 
+@pytest.mark.parametrize("k", [2, 4])
+def test_gemm_lane_table_stores(k):
+    """Lane-replicated pair table: 16-byte stores of 4 lanes' copies, entry p's row of 32
+    copies at p * 128 (bank = lane), written without conflicts."""
+    cfg = GEMM_M16 + "l"
+    kern = GemmKernel(k, "f16", GemmConfig.parse(cfg))
+    assert kern.plan["total"] - GemmKernel(k, "f16", GemmConfig.parse(GEMM_M16)).plan["total"] == (
+        31 * (4 << 2 * k)
+    )
+    nbytes, inst = kl.kernel_layouts("gemm", k, cfg)["table_store_smem"].evaluate()
+    stores = 8 << 2 * k
+    assert nbytes == 16 and len(inst) == -(-stores // 128)
+    for i, t in itertools.product(range(len(inst)), range(128)):
+        q = t + 128 * i
+        want = kern.plan["table"] + 128 * (q // 8) + 16 * (q % 8)
+        assert inst[i][t] == (want if q < stores else None), (i, t)
+    assert max(p.ways for p in access_phases(inst, nbytes)) == 1
+
+
 def test_gemm_epilogue_stores_are_the_c_fragment(gemm_m16):
     """partition_C(sC): lane 4g + t holds (g, 2t..2t+1) and (g + 8, 2t..2t+1) of each
     n8 tile, warp w the w-th n8 of every 32 columns; autovec_copy stores pairs (the SASS
@@ -242,7 +194,7 @@ def test_gemm_epilogue_stores_are_the_c_fragment(gemm_m16):
 
 
 @pytest.mark.parametrize("config", ["m16n128k64s4w1x4", "m32n128k64s4w1x4"])
-def test_gemm_ldmatrix_reads_the_fragment_rows(plans, config):
+def test_gemm_ldmatrix_reads_the_fragment_rows(config):
     """thr_ldsm.partition_S(sA): every warp (4 tile N, A is shared) reads the same rows;
     instruction (mi, ks) of lane l reads row 16 mi + _ldsm_row(l) at K 16 ks + 8 (l // 16).
     m32 (two MMA row tiles per warp) was wrong when the map composed the TV layout with
@@ -271,7 +223,7 @@ def test_gemm_ldmatrix_tv_is_the_tiled_copy():
 
 
 def test_gemm_without_plans_says_so(monkeypatch):
-    for name in _PLANS:
+    for name in kl.GEMM_PLANS:
         monkeypatch.delattr(GemmKernel, name, raising=False)
     entries = kl.kernel_layouts("gemm", 4)
     assert "a_store_smem" not in entries and "ldsm_a_smem" in entries
@@ -302,7 +254,7 @@ def test_kernel_gemv_mma_a_is_the_ptx_fragment():
         assert tv.cells[m][kk] == (_mma_a_owner(m, kk),), (m, kk)
 
 
-def test_kernel_gemm_a_smem_swizzle(plans):
+def test_kernel_gemm_a_smem_swizzle():
     views = {v.name: v for v in kernel_views("gemm", 4, only="a_smem_layout|mma_b")}
     a = views["a_smem_layout"].data  # m16 config: one (16, 64) stage of the A ring
     assert (a.rows, a.cols) == (16, 64)
@@ -431,7 +383,7 @@ def _is_picture(path, fmt: str) -> bool:
 
 
 @pytest.mark.parametrize("fmt", ["png", "svg"])
-def test_gemm_bank_map_pictures(plans, tmp_path, capsys, fmt):
+def test_gemm_bank_map_pictures(tmp_path, capsys, fmt):
     argv = ["kernel", "gemm", "--only", "absmax_store", "--format", fmt, "--out", str(tmp_path)]
     assert main(argv) == 0
     path = tmp_path / f"kernel_gemm_k4_absmax_store_smem.{fmt}"

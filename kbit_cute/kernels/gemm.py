@@ -18,7 +18,9 @@ TILE_M x TILE_N output tile and a contiguous range of TILE_K slices of K (split-
   of the 4 pairs, one PRMT per pair turns them into a byte offset (``pair_offsets``) into a
   shared table of 2^(2k) packed codebook pairs (one LDS gives both halves of a B register),
   and one HFMA2 applies the block's absmax, made from its E4M4 byte by one IMAD
-  (``absmax_x2``).
+  (``absmax_x2``). The table is compact (random lookups conflict: ~2 wavefronts per LDS
+  at k = 4, measured) or, with ``GemmConfig.lane_table``, one copy per lane (conflict-free,
+  32x the memory, one LEA more per lookup); the dispatch table picks by measurement.
 * Software pipelining: the next 32-weight block's B registers are dequantized while the
   current block's MMAs run (its plane words and absmax read from shared memory one block
   ahead), A fragments are loaded one k16 step ahead, and the next stage is waited for on
@@ -58,6 +60,7 @@ _TILE_WORDS_PER_K = TILE_N * BLOCKS_PER_TILE_K  # int32 words of one repack tile
 _TILE_ABSMAX = TILE_N * BLOCKS_PER_TILE_K  # absmax bytes of one repack tile
 _CHUNK = 16  # bytes per cp.async
 _C_PAD = 8  # elements of padding per epilogue row: rows start 4 banks apart (no conflicts)
+_LANES = 32  # copies of a lane-replicated pair table: entry p of lane l at p * 128 + l * 4
 
 
 # ----------------------------------------------------------------------------- config
@@ -73,6 +76,10 @@ class GemmConfig:
     stages: int = 4
     warps_m: int = 1
     warps_n: int = 4
+    # One copy of the pair table per lane (name suffix "l"): a warp's 32 lookups hit 32
+    # banks instead of ~3 wavefronts of conflicts, for 32x the table's shared memory and
+    # one LEA per lookup. Measurement decides per (k, M bucket) (perf/bench_gemm.py).
+    lane_table: bool = False
 
     @property
     def threads(self) -> int:
@@ -82,7 +89,7 @@ class GemmConfig:
     def name(self) -> str:
         return (
             f"m{self.tile_m}n{self.tile_n}k{self.tile_k}s{self.stages}"
-            f"w{self.warps_m}x{self.warps_n}"
+            f"w{self.warps_m}x{self.warps_n}" + ("l" if self.lane_table else "")
         )
 
     @staticmethod
@@ -90,10 +97,10 @@ class GemmConfig:
         """Inverse of ``name`` (the dispatch table stores names)."""
         import re
 
-        m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)x(\d+)", name)
+        m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)x(\d+)(l?)", name)
         if m is None:
             raise ValueError(f"not a GEMM config name: {name!r}")
-        return GemmConfig(*(int(x) for x in m.groups()))
+        return GemmConfig(*(int(x) for x in m.groups()[:-1]), lane_table=m.group(7) == "l")
 
     def problems(self) -> list[str]:
         """Why this config cannot be compiled (empty when it can)."""
@@ -131,7 +138,7 @@ def _smem_plan(cfg: GemmConfig, k: int) -> dict:
     pipe = cfg.stages * (a_stage + w_stage + s_stage)
     epi = cfg.tile_m * (cfg.tile_n + _C_PAD) * 2
     union = -(-max(pipe, epi) // 1024) * 1024
-    table = 4 << (2 * k)
+    table = (4 << (2 * k)) * (_LANES if cfg.lane_table else 1)
     return dict(
         a=0,
         w=cfg.stages * a_stage,
@@ -419,15 +426,31 @@ class GemmKernel:
         q = tidx - (self.threads - _TILE_ABSMAX // _CHUNK)
         return q * _CHUNK, q >= 0
 
+    def table_store_bytes(self) -> int:
+        """Bytes of one pair-table store: an entry, or 4 lanes' copies of one."""
+        return 16 if self.cfg.lane_table else 4
+
+    def table_stores(self) -> int:
+        """Stores that fill the pair table."""
+        return (
+            (4 << (2 * self.k))
+            * (_LANES if self.cfg.lane_table else 1)
+            // (self.table_store_bytes())
+        )
+
     def table_passes(self) -> int:
         """Store passes of the CTA over the pair table."""
-        return -(-(1 << (2 * self.k)) // self.threads)
+        return -(-self.table_stores() // self.threads)
 
     def table_plan(self, tidx, i: int):
-        """Pair-table build, pass i < table_passes(): (entry the thread writes, active)."""
-        entries = 1 << (2 * self.k)
-        p = tidx + i * self.threads
-        return p, entries % self.threads == 0 or p < entries
+        """Pair-table build, pass i < table_passes(): ((entry, byte offset in the table) the
+        thread's store writes, active). Lane-replicated: store q writes lanes 4 (q % 8) ..
+        4 (q % 8) + 3 of entry q // 8."""
+        q = tidx + i * self.threads
+        active = self.table_stores() % self.threads == 0 or q < self.table_stores()
+        if self.cfg.lane_table:
+            return (q // 8, q * 16), active
+        return (q, q * 4), active
 
     # ------------------------------------------------------------------------- pieces
 
@@ -438,13 +461,11 @@ class GemmKernel:
         k = self.k
         tidx, _, _ = cute.arch.thread_idx()
         mCb = cute.make_tensor(pCodebook, cute.make_layout(1 << k))
-        sTable = cute.make_tensor(
-            cute.recast_ptr(sTable_u8, dtype=Int32), cute.make_layout(1 << (2 * k))
-        )
         factor = Float32(CODEBOOK_FACTOR[self.dtype_name])
         pair = cute.make_rmem_tensor((2,), self.dtype)
+        copies = cute.make_rmem_tensor((self.table_store_bytes() // 4,), Int32)
         for i in cutlass.range_constexpr(self.table_passes()):
-            p, active = self.table_plan(tidx, i)
+            (p, off), active = self.table_plan(tidx, i)
             if active:
                 i0 = Int32(0)
                 i1 = Int32(0)
@@ -453,7 +474,10 @@ class GemmKernel:
                     i1 = i1 | (((p >> (2 * b + 1)) & 1) << b)
                 pair[0] = self.dtype(mCb[i0] * factor)
                 pair[1] = self.dtype(mCb[i1] * factor)
-                sTable[p] = cute.recast_tensor(pair, Int32)[0]
+                copies.fill(cute.recast_tensor(pair, Int32)[0])
+                dst = sTable_u8 + cute.assume(off, divby=self.table_store_bytes())
+                dst = cute.recast_ptr(dst, dtype=Int32)
+                cute.autovec_copy(copies, cute.make_tensor(dst, cute.make_layout(copies.shape)))
 
     @cute.jit
     def a_copy_offsets(self, sA, mA, m_cta):
@@ -567,6 +591,7 @@ class GemmKernel:
     def dequant_block(self, sTable_u8, rP, rS, tCrB32, blk, t4):
         """B registers of k16 steps 2 blk and 2 blk + 1 (one 32-weight block), every rep."""
         k = self.k
+        lane4 = (cute.arch.lane_idx() * 4) if self.cfg.lane_table else None
         kb2 = blk % BLOCKS_PER_TILE_K
         for j in cutlass.range_constexpr(self.nj):
             planes = [Uint32(rP[kb2 * k + b, j]) for b in range(k)]
@@ -574,14 +599,17 @@ class GemmKernel:
             code = prmt(Uint32(rS[j]), Uint32(0), 0x4440 | kb2)  # byte kb2, zero-extended
             scale_x2 = absmax_x2(code, self.dtype_name)
             for c in cutlass.range_constexpr(4):
-                pair = self.table_load(sTable_u8, offsets[c])
+                pair = self.table_load(sTable_u8, offsets[c], lane4)
                 w = mul_x2(Uint32(pair), scale_x2, self.dtype)
                 tCrB32[(0, c % 2), j, 2 * blk + c // 2] = Int32(w)
 
     @cute.jit
-    def table_load(self, sTable_u8, off):
-        """32-bit entry of the pair table at byte offset ``off`` (a multiple of 4)."""
-        ptr = cute.recast_ptr(sTable_u8 + cute.assume(off, divby=4), dtype=Int32)
+    def table_load(self, sTable_u8, off, lane4):
+        """32-bit entry of the pair table at compact byte offset ``off`` (4 x the pair
+        index); in a lane-replicated table, this lane's copy (``lane4`` = 4 x lane)."""
+        if cutlass.const_expr(self.cfg.lane_table):
+            off = (Int32(off) << 5) + lane4  # one LEA
+        ptr = cute.recast_ptr(sTable_u8 + cute.assume(Int32(off), divby=4), dtype=Int32)
         return cute.make_tensor(ptr, cute.make_layout(1))[0]
 
     # ------------------------------------------------------------------------- epilogue

@@ -1,0 +1,30 @@
+"""GEMM calls for ``compute-sanitizer --tool memcheck|racecheck python -m perf.sanitize_gemm``:
+per k, each config of the dispatch table on an odd shape (partial tiles in M, N and K), with
+one split and with split-K in both reduction modes, plus the lane-table variants the table
+does not use for that k."""
+
+from __future__ import annotations
+
+import torch
+
+import kbit_cute
+from kbit_cute import gemm_dispatch as gd
+
+
+def main() -> None:
+    K, N = 1056, 1000
+    for k in (2, 3, 4, 5):
+        qw = kbit_cute.quantize(torch.randn(N, K, device="cuda"), k)
+        names = {c.name for c in gd.table_configs(k)} | {"m16n128k64s4w1x4l", "m64n128k64s3w1x4"}
+        for i, name in enumerate(sorted(names)):
+            dtype = (torch.float16, torch.bfloat16)[i % 2]
+            A = torch.randn(37, K, device="cuda", dtype=dtype)
+            out = torch.empty(37, N, device="cuda", dtype=dtype)
+            for splits, det in ((1, True), (3, True), (3, False)):
+                gd.gemm_mma(A, qw, None, out, config=name, splits=splits, deterministic=det)
+    torch.cuda.synchronize()
+    print("sanitize_gemm: done")
+
+
+if __name__ == "__main__":
+    main()
