@@ -255,7 +255,7 @@ def test_kernel_gemv_mma_a_is_the_ptx_fragment():
 
 
 def test_kernel_gemm_a_smem_swizzle():
-    views = {v.name: v for v in kernel_views("gemm", 4, only="a_smem_layout|mma_b")}
+    views = {v.name: v for v in kernel_views("gemm", 4, GEMM_M16, only="a_smem_layout|mma_b")}
     a = views["a_smem_layout"].data  # m16 config: one (16, 64) stage of the A ring
     assert (a.rows, a.cols) == (16, 64)
     for m, kk in itertools.product(range(16), range(64)):
