@@ -77,7 +77,7 @@ class GemmConfig:
     warps_m: int = 1
     warps_n: int = 4
     # One copy of the pair table per lane (name suffix "l"): a warp's 32 lookups hit 32
-    # banks instead of ~3 wavefronts of conflicts, for 32x the table's shared memory and
+    # banks instead of conflicting (~2 wavefronts per LDS), for 32x the table's memory and
     # one LEA per lookup. Measurement decides per (k, M bucket) (perf/bench_gemm.py).
     lane_table: bool = False
 
