@@ -59,9 +59,11 @@ _LARGE_TILES = [
 ]
 BUCKETS = [
     (16, [16], ["m16n128k64s4w1x4", "m16n128k128s4w1x4", "m16n256k64s4w1x4",
-                "m16n128k64s4w1x4l", "m16n128k128s4w1x4l", "m16n256k64s4w1x8l"]),
+                "m16n128k64s4w1x4l", "m16n128k128s4w1x4l", "m16n256k64s4w1x8l",
+                "m16n128k64s3w1x4l", "m16n128k128s3w1x4l", "m16n256k128s3w1x8l"]),
     (32, [32], ["m32n128k64s4w1x4", "m32n128k64s4w1x2", "m32n256k64s4w1x4",
-                "m32n128k64s4w1x4l", "m32n128k64s4w1x2l", "m32n256k64s4w1x8l"]),
+                "m32n128k64s4w1x4l", "m32n128k64s4w1x2l", "m32n256k64s4w1x8l",
+                "m32n128k64s3w1x4l", "m32n128k128s3w1x4l"]),
     (64, [64], ["m64n128k64s3w1x4", "m64n128k64s3w1x4l", "m64n256k64s3w1x8l",
                 "m32n128k64s4w1x4l"]),
     (128, [128], _LARGE_TILES),
