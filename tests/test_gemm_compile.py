@@ -109,7 +109,7 @@ def _flat(mode):
     "k,dtype,name", [(3, "bf16", "m16n256k128s4w1x8"), (5, "f16", "m128n128k64s3w2x4")]
 )
 def test_other_tile_configs_compile(k, dtype, name):
-    """TILE_N = 256, TILE_K = 128 and warps_m = 2 (not in the provisional table) compile."""
+    """TILE_N = 256, TILE_K = 128 and warps_m = 2 (not all in the dispatch table) compile."""
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     fn, args = g.gemm_spec(k, dtype, g.GemmConfig.parse(name)).build()
     assert cute.compile(fn, *args) is not None

@@ -16,7 +16,7 @@ MS = (5, 8, 16, 17, 32, 64, 100, 256, 1024, 4096)
 DTYPES = (torch.float16, torch.bfloat16)
 SHAPES = GEMV_SHAPES  # (K, N): the GEMV issue's shapes, odd ones included
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
-# Tilings outside the provisional table, so every TILE_M / TILE_N / TILE_K / warps_m runs.
+# Tilings outside the dispatch table, so every TILE_M / TILE_N / TILE_K / warps_m runs.
 EXTRA_CONFIGS = [
     "m16n256k128s4w1x8", "m64n256k64s3w1x8", "m128n128k128s3w1x8", "m128n128k64s3w2x4",
     "m128n256k64s3w2x4l",
