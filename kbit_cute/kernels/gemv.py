@@ -227,14 +227,24 @@ class GemvKernel:
         mS = cute.make_tensor(pAbsmax, weight_absmax_layout(n_tiles, k_tiles))
         mA = cute.make_tensor(pA, cute.make_layout((M, K), stride=(K, 1)))
         mOut = cute.make_tensor(pOut, cute.make_layout((M, N), stride=(N, 1)))
-        mWs = cute.make_tensor(
-            pWorkspace,
-            cute.make_layout((TILE_N, self.m, 2 * workers), stride=(1, TILE_N, self.m * TILE_N)),
-        )
+        mWs = self.strip_workspace(pWorkspace, workers)
         self.kernel(
             mA, mW, mS, pCodebook, pScale, pBias, mOut, mWs, pCounters, n_tiles, k_tiles, workers,
             has_bias,
-        ).launch(
+        ).launch(**self.launch_options(ctas, stream))  # fmt: skip
+
+    def strip_workspace(self, pWorkspace: cute.Pointer, workers) -> cute.Tensor:
+        """The split-K workspace as (column of a strip, row, slot) fp32: two slots per
+        worker, its first strip's partial and its last one's (``finish_strip``)."""
+        layout = cute.make_layout(
+            (TILE_N, self.m, 2 * workers), stride=(1, TILE_N, self.m * TILE_N)
+        )
+        return cute.make_tensor(pWorkspace, layout)
+
+    def launch_options(self, ctas, stream) -> dict:
+        """``launch`` arguments of a stream-K grid of ``ctas`` CTAs (one wave): the register
+        bound where there is one, programmatic dependent launch where the target has it."""
+        return dict(
             grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream,
             min_blocks_per_mp=self.ctas_per_sm if self.bound_regs else 0,
             preferred_smem_carveout=-1, use_pdl=self.pdl,

@@ -531,21 +531,11 @@ class GroupedStreamKernel(GemvKernel):
         )
         mA, mW, mS, mScale, mOff, mOut = tensors
         n_tiles, k_tiles, inter, groups = sizes
-        mWs = cute.make_tensor(
-            pWorkspace,
-            cute.make_layout(
-                (TILE_N, ROWS_PER_PASS, 2 * ctas * self.quads),
-                stride=(1, TILE_N, ROWS_PER_PASS * TILE_N),
-            ),
-        )
+        mWs = self.strip_workspace(pWorkspace, ctas * self.quads)
         self.kernel(
             mA, mW, mS, pCodebook, mScale, mOff, mOut, mWs, pCounters,
             n_tiles, k_tiles, inter, groups, slots, min_run, overlap,
-        ).launch(
-            grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream,
-            min_blocks_per_mp=self.ctas_per_sm if self.bound_regs else 0,
-            preferred_smem_carveout=-1, use_pdl=self.pdl,
-        )  # fmt: skip
+        ).launch(**self.launch_options(ctas, stream))  # fmt: skip
 
     @cute.kernel
     def kernel(
@@ -619,8 +609,8 @@ class GroupedStreamKernel(GemvKernel):
             mWe, mSe = expert_weights(mW, mS, expert, self.k)
             col0 = group * per_group + cute.crd2idx((g, 0, 0, wn), lay)
             second = None
-            if cutlass.const_expr(self.gate_up):
-                second = col0 - g + inter
+            if cutlass.const_expr(self.gate_up):  # the up run: row tile 1 of the layout
+                second = col0 - g + cute.crd2idx((0, 0, 1, 0), lay)
             for r in cutlass.range_constexpr(ROW_TILES):
                 acc[r].fill(0.0)
             self.mainloop(mA, mWe, mSe, col0, (row_begin, rows), t, kt_begin, kt_end, ctx,
@@ -750,20 +740,29 @@ class GroupedStreamKernel(GemvKernel):
             mOut[m, col] = self.dtype(r)
 
 
+def _fake_args(dt, ints: tuple) -> tuple:
+    """Compile-time stand-ins for a grouped launch's arguments: its pointers (A, words,
+    absmax, codebook, scales, offsets, out, workspace, counters), ``ints`` and the stream;
+    both grouped kernels take them in this order."""
+    from ..compile import fake_ptr, fake_stream
+
+    return (
+        fake_ptr(dt), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Uint8),
+        fake_ptr(cutlass.Float32), fake_ptr(cutlass.Float32, 4), fake_ptr(cutlass.Int32, 4),
+        fake_ptr(dt, 2), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int32, 4),
+        *(Int32(v) for v in ints), fake_stream(),
+    )  # fmt: skip
+
+
 def grouped_stream_spec(k: int, dtype: str, gate_up: bool, stages: int | None = None):
     """The compiled variant of ``GroupedStreamKernel`` (bits, dtype name, fused gate/up;
     ``stages`` overrides the ring depth, for tuning)."""
-    from ..compile import KernelSpec, fake_ptr, fake_stream
+    from ..compile import KernelSpec
 
     def build():
         dt = _DTYPES[dtype]
-        args = (
-            fake_ptr(dt), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Uint8),
-            fake_ptr(cutlass.Float32), fake_ptr(cutlass.Float32, 4), fake_ptr(cutlass.Int32, 4),
-            fake_ptr(dt, 2), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int32, 4),
-            Int32(1), Int32(128), Int32(64), Int32(1), Int32(1), Int32(1), Int32(4), Int32(0),
-            fake_stream(),
-        )  # fmt: skip
+        # R, N, K, E, slots, ctas, min_run, overlap
+        args = _fake_args(dt, (1, 128, 64, 1, 1, 1, 4, 0))
         return GroupedStreamKernel(k, dt, gate_up, stages), args
 
     kind = "gate_up" if gate_up else "down"
@@ -777,17 +776,12 @@ def grouped_gemv_spec(
 ):
     """The compiled variant of ``GroupedGemvKernel`` (bits, dtype name, fused gate/up;
     ``stages`` overrides the ring depth; ``cluster``: K splits summed in a cluster)."""
-    from ..compile import KernelSpec, fake_ptr, fake_stream
+    from ..compile import KernelSpec
 
     def build():
         dt = _DTYPES[dtype]
-        args = (
-            fake_ptr(dt), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Uint8),
-            fake_ptr(cutlass.Float32), fake_ptr(cutlass.Float32, 4), fake_ptr(cutlass.Int32, 4),
-            fake_ptr(dt, 2), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int32, 4),
-            Int32(1), Int32(128), Int32(64), Int32(1), Int32(1), Int32(1), Int32(1), Int32(0),
-            fake_stream(),
-        )  # fmt: skip
+        # R, N, K, E, slots, max_passes, splits, overlap
+        args = _fake_args(dt, (1, 128, 64, 1, 1, 1, 1, 0))
         return GroupedGemvKernel(k, dt, gate_up, stages, cluster), args
 
     kind = "gate_up" if gate_up else "down"
