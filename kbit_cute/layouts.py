@@ -191,10 +191,11 @@ def _moe_layouts(config: str | None) -> dict[str, Entry]:
         ) from e
     configs = [_moe_config(config)] if config else [("gate_up", MOE_INTERMEDIATE), ("down", 0)]
     entries = _mma_tv(lambda: gemv_mma(cutlass.Float16)[1])
-    kinds = [("cta", "CTA", "cta_column_layout", "warps 0-1 gate, 2-3 up")]
-    if hasattr(grouped_gemv, "stream_column_layout"):
-        note = "each warp 16 gate columns (r = 0) and the same 16 of up (r = 1)"
-        kinds.append(("stream", "stream quad", "stream_column_layout", note))
+    kinds = [
+        ("cta", "CTA", "cta_column_layout", "warps 0-1 gate, 2-3 up"),
+        ("stream", "stream quad", "stream_column_layout",
+         "each warp 16 gate columns (r = 0) and the same 16 of up (r = 1)"),
+    ]  # fmt: skip
     for name, inter in configs:
         for prefix, who, fn_name, gate_up_note in kinds:
             caption = (

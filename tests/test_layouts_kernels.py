@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import sys
-import types
 import xml.etree.ElementTree as ET
 
 import cutlass.cute as cute
@@ -22,22 +21,6 @@ from layouts import access_phases, kernel_views, layout_at, layout_view, split_l
 from layouts.__main__ import main
 
 MOE_MODULE = "kbit_cute.kernels.grouped_gemv"
-
-# --------------------------------------------------------------------------- stand-ins
-
-
-def _standin_moe() -> types.ModuleType:
-    """The grouped kernel's CTA column layout as issue 8 specifies it (the lead's module
-    may not exist yet)."""
-
-    def cta_column_layout(gate_up: bool, intermediate: int) -> cute.Layout:
-        warp = ((2, 2), (32, intermediate)) if gate_up else (4, 32)
-        return cute.make_layout((8, 2, 2, warp[0]), stride=(1, 8, 16, warp[1]))
-
-    mod = types.ModuleType(MOE_MODULE)
-    mod.cta_column_layout = cta_column_layout
-    return mod
-
 
 # --------------------------------------------------------------------------- references
 
@@ -286,16 +269,6 @@ def _moe_expected(gate_up: bool, inter: int, i: int, j: int) -> int:
     return g + 8 * h + 16 * r + 32 * w
 
 
-@pytest.fixture(params=["stand-in", "kernel"])
-def moe_module(request, monkeypatch):
-    """The spec'd stand-in, and the lead's grouped kernel module once it exists."""
-    if request.param == "stand-in":
-        monkeypatch.setitem(sys.modules, MOE_MODULE, _standin_moe())
-    else:
-        pytest.importorskip(MOE_MODULE, reason="the grouped expert kernel is not there yet")
-
-
-@pytest.mark.usefixtures("moe_module")
 @pytest.mark.parametrize(("config", "inter"), [("gate_up:192", 192), ("down", 0)])
 def test_moe_cta_columns_are_the_layout(config, inter):
     views = {v.name: v for v in kernel_views("moe", 4, config, only="cta_columns|smem")}
@@ -312,7 +285,6 @@ def test_moe_cta_columns_are_the_layout(config, inter):
 def test_moe_stream_columns_are_the_layout(config, inter):
     """GroupedStreamKernel: gate/up warp w holds gate columns 16 w + g + 8 h in row tile 0
     and the same columns of up in row tile 1; dense as the CTA kernel."""
-    pytest.importorskip(MOE_MODULE)
     views = {v.name: v for v in kernel_views("moe", 4, config, only="stream_columns")}
     grid = views[f"stream_columns_{config.split(':')[0]}"].data
     for i, j in itertools.product(range(32), range(4)):
@@ -335,8 +307,7 @@ the mma values of column half h, row tile r
 """
 
 
-def test_moe_text_and_pictures(monkeypatch, tmp_path, capsys):
-    monkeypatch.setitem(sys.modules, MOE_MODULE, _standin_moe())
+def test_moe_text_and_pictures(tmp_path, capsys):
     argv = ["kernel", "moe", "--config", "down", "--only", "cta"]
     assert main([*argv, "--format", "text", "--color", "never"]) == 0
     assert capsys.readouterr().out.startswith(EXPECTED_MOE_DOWN_HEAD)
@@ -348,8 +319,7 @@ def test_moe_text_and_pictures(monkeypatch, tmp_path, capsys):
     assert names == ["cta_columns_gate_up", "cta_columns_down"]
 
 
-def test_moe_mma_is_the_gemv_mma(monkeypatch):
-    monkeypatch.setitem(sys.modules, MOE_MODULE, _standin_moe())
+def test_moe_mma_is_the_gemv_mma():
     moe = layout_view("mma_a_tv", kl.kernel_layouts("moe", 4)["mma_a_tv"]).data
     assert moe == layout_view("mma_a_tv", kl.kernel_layouts("gemv", 4)["mma_a_tv"]).data
 
@@ -358,8 +328,7 @@ def test_moe_mma_is_the_gemv_mma(monkeypatch):
     ("config", "message"),
     [("up", "moe config must be"), ("down:128", "moe config must be"), ("gate_up:96", "64")],
 )
-def test_moe_bad_config(monkeypatch, capsys, config, message):
-    monkeypatch.setitem(sys.modules, MOE_MODULE, _standin_moe())
+def test_moe_bad_config(capsys, config, message):
     assert main(["kernel", "moe", "--config", config, "--format", "text"]) == 2
     assert message in capsys.readouterr().err
 
