@@ -148,6 +148,7 @@ def _smem_plan(cfg: GemmConfig, k: int) -> dict:
         s_stage=s_stage,
         union=union,
         table=union,
+        table_bytes=table,
         flag=union + table,
         total=union + table + 16,
     )
@@ -432,11 +433,7 @@ class GemmKernel:
 
     def table_stores(self) -> int:
         """Stores that fill the pair table."""
-        return (
-            (4 << (2 * self.k))
-            * (_LANES if self.cfg.lane_table else 1)
-            // (self.table_store_bytes())
-        )
+        return self.plan["table_bytes"] // self.table_store_bytes()
 
     def table_passes(self) -> int:
         """Store passes of the CTA over the pair table."""
