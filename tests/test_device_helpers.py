@@ -32,7 +32,8 @@ def test_gemv_lookups_give_the_mma_pairs(k, gen):
     """The GEMV's trace-time plan, emulated on host ints: each of a thread's 8 register
     pairs per column holds two distinct K positions, the 16 positions are covered once, the
     second column's fields mirror the first's, and the lookup the kernel uses for this k
-    (pair shuffle, byte tables or single shuffles) returns those positions' indices."""
+    (pair shuffle, quad table, byte tables or single shuffles) returns those positions'
+    indices."""
     from kbit_cute.kernels.gemv import THREAD_K, GemvKernel, _pairs_of
 
     kern = GemvKernel(k, 1, None)
@@ -61,6 +62,16 @@ def test_gemv_lookups_give_the_mma_pairs(k, gen):
                 hi = _prmt(tables[2], tables[3], sel & 0xFFFF)
                 pair = _prmt(lo, hi, dh.byte_pair_selector(fa2 % 4, fb2 % 4))
                 got = (pair & 0xFFFF, pair >> 16)
+            elif kern.lookup == "quad_table":
+                # row v of the table: (codes of fields 0, 1 of v), (fields 2, 3); the address
+                # is a prmt of the word's byte and lane 5's copy offset
+                first = fa2 - fa2 % 4  # the quad's first field: the pair is its low or high half
+                addr = _prmt(word, 5 * 8, 0x5504 | (first // 4) << 4)
+                assert addr % 256 == 5 * 8 and addr < 256 * 256
+                v = addr >> 8
+                quad = [codes[(v >> (2 * i)) & 3] for i in range(4)]
+                got = tuple(quad[2 * (fa2 % 4 // 2) : 2 * (fa2 % 4 // 2) + 2])
+                assert fb2 == fa2 + 1
             else:
                 got = tuple(codes[(word >> (f * W)) & 31 & ((1 << k) - 1)] for f in (fa2, fb2))
             assert got == (codes[idx[ja]], codes[idx[jb]]), (k, ja, jb)

@@ -81,12 +81,16 @@ STAGES = {2: 3, 3: 3, 4: 3, 5: 3}
 # Lookups in registers (what a CTA of one quad uses, e.g. the grouped MoE kernel) and the
 # GEMV's defaults: the shared-memory pair table wherever it serves k (see GemvKernel).
 LOOKUP = {2: "pair_shuffle", 3: "byte_tables", 4: "shuffle", 5: "shuffle"}
-GEMV_LOOKUP = {2: "pair_table", 3: "pair_table", 4: "pair_table", 5: "shuffle"}
-# Pair table (k = 4): entry p = (codebook[p & 15], codebook[p >> 4]), one copy per lane so
-# that a warp's 32 loads hit 32 banks: byte address p * 256 + lane * 4 (a prmt builds it
-# from the pair's byte and the lane's byte; rows are 256 bytes, half of each unused).
-PAIR_TABLE_ROW = 256
-PAIR_TABLE_BYTES = 256 * PAIR_TABLE_ROW
+GEMV_LOOKUP = {2: "quad_table", 3: "pair_table", 4: "pair_table", 5: "shuffle"}
+# Shared-memory tables indexed by one byte of index fields, one copy per lane so that a
+# warp's 32 loads hit distinct banks; a prmt builds the byte address row * 256 + lane copy
+# from the fields' byte and the lane's byte. Pair table (k = 3, 4): row p = the pair
+# (codebook[p & 15], codebook[p >> 4]), 4 bytes per lane (half of each row unused). Quad
+# table (k = 2): row p = the two pairs of four 2-bit indices, 8 bytes per lane: one 8-byte
+# load per 4 weights instead of one 4-byte load per 2.
+TABLE_ROW = 256
+TABLE_BYTES = 256 * TABLE_ROW
+TABLE_ENTRY_BYTES = {"pair_table": 4, "quad_table": 8}
 CHUNK_WORDS = 4  # one cp.async moves 16 bytes
 ABSMAX_WORDS = WARP_COLS * BLOCKS_PER_TILE_K // 4  # a warp's absmax bytes of a K tile
 A_ROW_WORDS = TILE_K // 2  # one activation row of a K tile (16-bit values)
@@ -138,7 +142,9 @@ class GemvKernel:
         # How indices become values. Issue slots and the integer ALU pipe (half the issue
         # rate) are what these kernels run out of, so each k takes the lookup with the
         # fewest instructions per weight:
-        # "pair_table" (the GEMV's default for k <= 4): one shared-memory load per pair
+        # "quad_table" (the default for k = 2): the same with four 2-bit indices per byte
+        #   and two pairs per entry: one 8-byte load per 4 weights.
+        # "pair_table" (the default for k = 3, 4): one shared-memory load per pair
         #   from a 256-entry table of pairs, its address one prmt from the byte that holds
         #   the pair's two 4-bit fields; 64 KB shared by the quads of a CTA (up to 7: 28
         #   warps per SM). k = 4: 223 instead of ~300 instructions per K tile.
@@ -151,15 +157,17 @@ class GemvKernel:
         if not GemvKernel.lookup_fits(self.lookup, k):
             raise ValueError(f"GEMV lookup {self.lookup!r} does not serve k={k}")
         self.byte_tables = self.lookup == "byte_tables"
-        self.field_width = field_bits(k, 4 if self.lookup in ("byte_tables", "pair_table") else 1)
+        self.table = self.lookup in TABLE_ENTRY_BYTES  # a shared-memory table per CTA
+        min_width = {"byte_tables": 4, "pair_table": 4, "quad_table": 2}.get(self.lookup, 1)
+        self.field_width = field_bits(k, min_width)
         # Workers (quads of 4 column warps) per CTA. One quad per CTA lets the hardware pack
         # 8 CTAs on an SM; the 64 KB pair table is shared by as many quads as the shared
         # memory of an SM holds besides it, up to 7 (at 8, 64 registers, it spilled).
         if quads is None:
             quads = 1
-            if self.lookup == "pair_table":
+            if self.table:
                 ring = 4 * self.stage_words() * self.stages * WARPS
-                room = smem_per_sm() - PAIR_TABLE_BYTES - 1024 - extra_smem
+                room = smem_per_sm() - TABLE_BYTES - 1024 - extra_smem
                 quads = max(1, min(self.MAX_QUADS, room // ring))
         self.quads = quads
         self.warps = WARPS * quads
@@ -178,7 +186,7 @@ class GemvKernel:
             self.bound_regs = k != 2
         # + the reserved 1 KB
         smem = 4 * self.stage_words() * self.stages * self.warps + 1024 + extra_smem
-        smem += PAIR_TABLE_BYTES if self.lookup == "pair_table" else 0
+        smem += TABLE_BYTES if self.table else 0
         if smem > smem_per_sm():
             raise ValueError(
                 f"GEMV k={k} m={m} {self.lookup} with {quads} quads needs {smem} bytes of "
@@ -193,7 +201,9 @@ class GemvKernel:
     def lookup_fits(lookup: str, k: int) -> bool:
         """Whether a lookup serves k: a pair shuffle needs 2-bit fields, byte tables <= 8
         entries, the pair table two fields per byte (k <= 4); shuffles serve every k."""
-        limits = {"pair_shuffle": 2, "byte_tables": 3, "pair_table": 4, "shuffle": 5}
+        limits = {
+            "pair_shuffle": 2, "quad_table": 2, "byte_tables": 3, "pair_table": 4, "shuffle": 5
+        }  # fmt: skip
         return lookup in limits and k <= limits[lookup]
 
     @staticmethod
@@ -347,8 +357,8 @@ class GemvKernel:
         atom, tiled_mma = gemv_mma(self.dtype)
         frag_a = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((MMA_M, MMA_K)))
         frag_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((MMA_N, MMA_K)))
-        if cutlass.const_expr(self.lookup == "pair_table"):
-            codebook = self.make_pair_table(smem, codebook)
+        if cutlass.const_expr(self.table):
+            codebook = self.make_table(smem, codebook)
         ring = smem.allocate_tensor(
             Int32,
             cute.make_layout(self.stage_words() * self.stages * self.warps),
@@ -361,33 +371,49 @@ class GemvKernel:
         ]
         return codebook, half_select, atom, frag_a, frag_b, ring, buf, acc
 
-    def make_pair_table(self, smem: SmemAllocator, cb_lane):
-        """Fill the CTA's shared pair table from the codebook lanes (``cb_lane``: entry
-        lane % 16 in both halves); returns (table byte pointer, this lane's byte offset
-        register). Each thread writes 8 rows' 4-lane slices with 16-byte stores."""
+    def make_table(self, smem: SmemAllocator, cb_lane):
+        """Fill the CTA's shared pair or quad table from the codebook lanes (``cb_lane``:
+        entry lane % 2^k in both halves); returns (table byte pointer, this lane's byte
+        offset register). Threads write 16-byte slices (2 or 4 lanes' copies of a row)."""
         table = smem.allocate_tensor(
-            Uint32, cute.make_layout(PAIR_TABLE_BYTES // 4), byte_alignment=1024
+            Uint32, cute.make_layout(TABLE_BYTES // 4), byte_alignment=1024
         )
         tidx, _, _ = cute.arch.thread_idx()
-        lane = tidx % 32
-        slices = PAIR_TABLE_ROW // 2 // 16  # 16-byte slices of a row's used half
-        self.fill_pair_table(table, cb_lane, tidx, slices)
+        entry_bytes = TABLE_ENTRY_BYTES[self.lookup]
+        self.fill_table(table, cb_lane, tidx, entry_bytes * 32 // 16)
         cute.arch.sync_threads()
-        return cute.recast_ptr(table.iterator, dtype=cutlass.Uint8), Uint32(lane * 4)
+        lane_offset = Uint32((tidx % 32) * entry_bytes)
+        return cute.recast_ptr(table.iterator, dtype=cutlass.Uint8), lane_offset
 
     @cute.jit
-    def fill_pair_table(self, table, cb_lane, tidx, slices: cutlass.Constexpr):
-        """Each thread fills 16-byte slices (4 lanes' copies of one entry) of the table."""
+    def fill_table(self, table, cb_lane, tidx, slices: cutlass.Constexpr):
+        """Each thread fills 16-byte slices of the table's rows (``slices`` per row)."""
         chunks = 256 * slices
         for i in cutlass.range_constexpr(-(-chunks // self.threads)):
             chunk = tidx + i * self.threads
             if chunk < chunks:  # warp-uniform: the shuffles below see all 32 lanes
                 p, sl = chunk // slices, chunk % slices
-                lo = codebook_lookup_x2(cb_lane, Uint32(p) & Uint32(15))
-                hi = codebook_lookup_x2(cb_lane, Uint32(p) >> Uint32(4))
+                p32 = Uint32(p)
                 four = cute.make_rmem_tensor((4,), Uint32)
-                four.fill(prmt(lo, hi, 0x5410))
-                dst = table.iterator + cute.assume(p * (PAIR_TABLE_ROW // 4) + sl * 4, divby=4)
+                if cutlass.const_expr(self.lookup == "quad_table"):
+                    # fields 0, 1 | 2, 3 of the byte, 2 bits each (shfl reads bits 4:0)
+                    lo = prmt(
+                        codebook_lookup_x2(cb_lane, p32), codebook_lookup_x2(cb_lane, p32 >> 2),
+                        0x5410,
+                    )  # fmt: skip
+                    hi = prmt(
+                        codebook_lookup_x2(cb_lane, p32 >> 4),
+                        codebook_lookup_x2(cb_lane, p32 >> 6),
+                        0x5410,
+                    )  # fmt: skip
+                    for j in cutlass.range_constexpr(2):
+                        four[2 * j] = lo
+                        four[2 * j + 1] = hi
+                else:
+                    lo = codebook_lookup_x2(cb_lane, p32 & Uint32(15))
+                    hi = codebook_lookup_x2(cb_lane, p32 >> 4)
+                    four.fill(prmt(lo, hi, 0x5410))
+                dst = table.iterator + cute.assume(p * (TABLE_ROW // 4) + sl * 4, divby=4)
                 cute.autovec_copy(four, cute.make_tensor(dst, cute.make_layout(4)))
 
     @cute.jit
@@ -563,7 +589,13 @@ class GemvKernel:
                     tables = scaled_byte_tables(codebook, scale, self.dtype)
                 for p, (word, (fa, _), (fb, _)) in enumerate(pairs):
                     fa2, fb2 = fa + half * 32 // W // 2, fb + half * 32 // W // 2
-                    if self.byte_tables:
+                    if self.lookup == "quad_table":
+                        if p % 2 == 0:  # pairs p and p + 1: one byte, one 8-byte entry
+                            assert pairs[p + 1][0] is word and pairs[p + 1][1][0] == fa + 2
+                            quad = self.lookup_quad(codebook, word, fa2)
+                            for j in range(2):
+                                w_pairs[half][p + j] = mul_x2(quad[j], scale, self.dtype)
+                    elif self.byte_tables:
                         w_pairs[half][p] = self.lookup_pair(tables, word, fa2, fb2)
                     else:
                         w_pairs[half][p] = mul_x2(
@@ -604,6 +636,18 @@ class GemvKernel:
             va = codebook_lookup_x2(codebook, word >> (fa * W) if fa else word)
             vb = codebook_lookup_x2(codebook, word >> (fb * W) if fb else word)
             return prmt(va, vb, 0x5410)
+
+    def lookup_quad(self, codebook, word, fa: int):
+        """Quad table (k = 2): the values of fields fa..fa + 3 (one byte) of ``word`` as two
+        16-bit pairs (fa, fa + 1) and (fa + 2, fa + 3), by one 8-byte shared-memory load."""
+        assert fa % 4 == 0 and self.field_width == 2
+        table, lane_offset = codebook
+        # address byte 0 = the lane's copy, byte 1 = the fields' byte, bytes 2, 3 = 0
+        addr = prmt(word, lane_offset, 0x5504 | (fa // 4) << 4)
+        entry = cute.recast_ptr(table + cute.assume(Int32(addr), divby=8), dtype=Uint32)
+        quad = cute.make_rmem_tensor((2,), Uint32)
+        cute.autovec_copy(cute.make_tensor(entry, cute.make_layout(2)), quad)
+        return quad[0], quad[1]
 
     def activation_pair(self, act, ea: int, eb: int):
         """Activations of the thread's K positions ea and eb (0..15) as one register."""
