@@ -310,8 +310,8 @@ class GemvKernel:
                 for r in cutlass.range_constexpr(ROW_TILES):
                     acc[r].fill(0.0)
                 col0 = nt * TILE_N + wn * WARP_COLS + g
-                # Activation rows 0..M-1 feed the mma's columns g; threads past M reuse row
-                # M-1 (finite values, never stored).
+                # Activation rows 0..M-1 feed the mma's columns g; columns past M hold finite
+                # values that are never stored.
                 self.mainloop(mA, mW, mS, col0, (Int32(0), M), t, kt_begin, kt_end, ctx)
                 slot = 2 * worker + Int32(nt != nt_first)
                 epi = (scale, mBias, mOut, has_bias, nt)
@@ -419,7 +419,7 @@ class GemvKernel:
     @cute.jit
     def mainloop(self, mA, mW, mS, col0, rows, t, kt_begin, kt_end, ctx, second=None):
         """acc += K tiles kt_begin..kt_end of the thread's columns times the activations of
-        ``rows`` = (first row, count): mma column g takes row first + min(g, count - 1).
+        ``rows`` = (first row, count): mma column g < count takes row first + g.
         The warp's 32 columns are col0 - g onwards, or with ``second`` two runs of 16: that
         many, then 16 from column ``second`` (the grouped gate/up kernel: gate, then up).
 
@@ -462,10 +462,12 @@ class GemvKernel:
     def make_buffers(self):
         """Registers of one K tile: the words of the thread's 4 columns' block, their absmax
         codes, and the thread's 16 activations."""
+        activations = cute.make_rmem_tensor((THREAD_K,), self.dtype)
+        activations.fill(0.0)  # what lanes past the real rows keep (``read_tile``)
         return (
             cute.make_rmem_tensor((self.k, 2 * ROW_TILES), Int32),
             cute.make_rmem_tensor((2 * ROW_TILES,), cutlass.Uint8),
-            cute.make_rmem_tensor((THREAD_K,), self.dtype),
+            activations,
         )
 
     @cute.jit
@@ -530,7 +532,7 @@ class GemvKernel:
     def read_tile(self, src, g, t, rows, buf):
         """The thread's part of the ring stage at ``src`` into registers: the k plane words
         of block t // 2 of its columns g + 8 j (j = 0..3), their absmax codes, and its 16
-        activations (K run t of row min(g, count - 1))."""
+        activations (K run t of row g, if g < count)."""
         rW, rS, rA = buf
         k = self.k
         kb = t // 2
@@ -543,21 +545,24 @@ class GemvKernel:
             w_off = cute.assume(c * (BLOCKS_PER_TILE_K * k) + kb * k, divby=k if k % 2 == 0 else 1)
             cute.autovec_copy(cute.make_tensor(src + w_off, cute.make_layout(k)), rW[None, j])
             rS[j] = absmax[c * BLOCKS_PER_TILE_K + kb]
+        # Only the lanes of real rows load: at M = 1 four lanes instead of 32, 2 instead of 8
+        # shared-memory wavefronts per tile (k = 2 is bound by that pipe). The other mma
+        # columns keep finite values (zeros or an earlier tile's) and are never stored.
         _, n_rows = rows
-        row = cutlass.min(g, n_rows - 1)
-        a_off = cute.assume(
-            WARP_COLS * BLOCKS_PER_TILE_K * k
-            + ABSMAX_WORDS
-            + row * A_ROW_WORDS
-            + t * (THREAD_K // 2),
-            divby=CHUNK_WORDS,
-        )
-        cute.autovec_copy(
-            cute.make_tensor(
-                cute.recast_ptr(src + a_off, dtype=self.dtype), cute.make_layout(THREAD_K)
-            ),
-            rA,
-        )
+        if g < n_rows:
+            a_off = cute.assume(
+                WARP_COLS * BLOCKS_PER_TILE_K * k
+                + ABSMAX_WORDS
+                + g * A_ROW_WORDS
+                + t * (THREAD_K // 2),
+                divby=CHUNK_WORDS,
+            )
+            cute.autovec_copy(
+                cute.make_tensor(
+                    cute.recast_ptr(src + a_off, dtype=self.dtype), cute.make_layout(THREAD_K)
+                ),
+                rA,
+            )
 
     def mma_tile(self, buf, codebook, half_select, atom, frag_a, frag_b, acc):
         """acc[r] += this K tile of the thread's columns (row tile r) times the activations."""
