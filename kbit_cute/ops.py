@@ -231,7 +231,7 @@ GEMV_MAX_M = 8  # the GEMV's mma has 8 activation columns; larger M goes to the 
 _M_BUCKET = (0, 1, 2, 4, 4, 8, 8, 8, 8)  # M -> the compiled rows bucket of the GEMV
 
 
-def gemv_splits(N: int, K: int, sm_count: int, m: int = 1) -> int:
+def gemv_splits(N: int, K: int, sm_count: int) -> int:
     """Stream-K workers per column tile of the GEMV (a power of two, at most 16): each
     tile's K range in that many equal runs, so that no run crosses a column tile (a run
     that does pays a pipeline drain and refill at the crossing: slower, measured).
@@ -239,15 +239,14 @@ def gemv_splits(N: int, K: int, sm_count: int, m: int = 1) -> int:
     From an H100 sweep of splits 1..16 (``python -m perf.gemv_kernel_check``, 2026-11-22):
     shapes with many column tiles want long runs (>= 16 K tiles each) and about 6 runs per
     SM in all; shapes with few column tiles are latency-bound and want up to 16 runs of
-    >= 4 K tiles. With M > 2 the reduction costs more, and half as many splits measured
-    best where the split count comes from few column tiles.
+    >= 4 K tiles. The same for M = 1..4 since the reduction loads 32 partials per lane per
+    round (``kernels.gemv.REDUCE_LOADS``): halving the splits at M = 4 measured slower
+    (``--workers auto s4 s8 s16``: 2048x2048 7.0 vs 6.0 us, 14336x4096 k = 4 17.9 vs 17.1).
     """
     n_tiles = -(-N // 128)
     k_tiles = -(-K // 64)
     min_kt = 16 if n_tiles >= 64 else 4
     want = min(-(-6 * sm_count // n_tiles), k_tiles // min_kt, 16)
-    if m > 2 and n_tiles < 64:
-        want //= 2
     return 1 << (max(want, 1).bit_length() - 1)
 
 
@@ -268,7 +267,7 @@ def kernel_grid(kernel, N: int, K: int, sm_count: int, workers: int | None = Non
     n_tiles = -(-N // 128)
     units = n_tiles * -(-K // 64)
     if not workers:
-        splits = gemv_splits(N, K, sm_count, kernel.m)
+        splits = gemv_splits(N, K, sm_count)
         workers = n_tiles * max(1, min(splits, slots * kernel.quads // n_tiles))
     workers = min(workers, units)
     # Quads of a CTA take workers ctas apart: one CTA per slot, or as few as hold them all.

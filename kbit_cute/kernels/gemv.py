@@ -92,6 +92,9 @@ TABLE_ROW = 256
 TABLE_BYTES = 256 * TABLE_ROW
 TABLE_ENTRY_BYTES = {"pair_table": 4, "quad_table": 8}
 CHUNK_WORDS = 4  # one cp.async moves 16 bytes
+# Partials a lane loads per round of the split-K reduction (``reduce_strip``): each round is
+# an L2 round trip, so rows x workers per round as large as registers allow.
+REDUCE_LOADS = 32
 ABSMAX_WORDS = WARP_COLS * BLOCKS_PER_TILE_K // 4  # a warp's absmax bytes of a K tile
 A_ROW_WORDS = TILE_K // 2  # one activation row of a K tile (16-bit values)
 # Shared memory a kernel may use per SM (H100: 227 KB, A100: 163 KB), by target family.
@@ -715,7 +718,7 @@ class GemvKernel:
         is one L2 round trip for ``batch`` workers, coalesced across the warp."""
         lane = cute.arch.lane_idx()
         c = wn * WARP_COLS + lane
-        batch = max(2, 8 // self.m)
+        batch = max(2, REDUCE_LOADS // self.m)
         v = [
             cute.arch.load(mWs.iterator + cute.crd2idx((c, m, first_slot), mWs.layout),
                            Float32, cop="cg")
