@@ -127,6 +127,10 @@ class GemvKernel:
     """Compile-time config: bits ``k``, rows bucket ``m`` (1, 2, 4 or 8), activation dtype."""
 
     MAX_QUADS = 7  # quads per CTA sharing a pair table (8, at 64 registers, spilled)
+    # Only the lanes of real activation rows read them (``read_tile``); the others keep
+    # zeros, which costs a kernel registers across the K loop (the grouped grid kernel's
+    # gate/up spilled): it turns this off.
+    REAL_ROWS_ONLY = True
 
     def __init__(
         self,
@@ -466,7 +470,8 @@ class GemvKernel:
         """Registers of one K tile: the words of the thread's 4 columns' block, their absmax
         codes, and the thread's 16 activations."""
         activations = cute.make_rmem_tensor((THREAD_K,), self.dtype)
-        activations.fill(0.0)  # what lanes past the real rows keep (``read_tile``)
+        if cutlass.const_expr(self.REAL_ROWS_ONLY):
+            activations.fill(0.0)  # what lanes past the real rows keep (``read_tile``)
         return (
             cute.make_rmem_tensor((self.k, 2 * ROW_TILES), Int32),
             cute.make_rmem_tensor((2 * ROW_TILES,), cutlass.Uint8),
@@ -551,21 +556,26 @@ class GemvKernel:
         # Only the lanes of real rows load: at M = 1 four lanes instead of 32, 2 instead of 8
         # shared-memory wavefronts per tile (k = 2 is bound by that pipe). The other mma
         # columns keep finite values (zeros or an earlier tile's) and are never stored.
+        # Without REAL_ROWS_ONLY they read row count - 1 instead.
         _, n_rows = rows
-        if g < n_rows:
-            a_off = cute.assume(
-                WARP_COLS * BLOCKS_PER_TILE_K * k
-                + ABSMAX_WORDS
-                + g * A_ROW_WORDS
-                + t * (THREAD_K // 2),
-                divby=CHUNK_WORDS,
-            )
-            cute.autovec_copy(
-                cute.make_tensor(
-                    cute.recast_ptr(src + a_off, dtype=self.dtype), cute.make_layout(THREAD_K)
-                ),
-                rA,
-            )
+        if cutlass.const_expr(self.REAL_ROWS_ONLY):
+            if g < n_rows:
+                self.read_activations(src, g, t, rA)
+        else:
+            self.read_activations(src, cutlass.min(g, n_rows - 1), t, rA)
+
+    @cute.jit
+    def read_activations(self, src, row, t, rA):
+        """The thread's 16 activations of ``row`` (K run t) from the ring stage at ``src``."""
+        a_off = cute.assume(
+            WARP_COLS * BLOCKS_PER_TILE_K * self.k
+            + ABSMAX_WORDS
+            + row * A_ROW_WORDS
+            + t * (THREAD_K // 2),
+            divby=CHUNK_WORDS,
+        )
+        src = cute.recast_ptr(src + a_off, dtype=self.dtype)
+        cute.autovec_copy(cute.make_tensor(src, cute.make_layout(THREAD_K)), rA)
 
     def mma_tile(self, buf, codebook, half_select, atom, frag_a, frag_b, acc):
         """acc[r] += this K tile of the thread's columns (row tile r) times the activations."""

@@ -156,6 +156,8 @@ class GroupedGemvKernel(GemvKernel):
     """One CTA per (column group, K split, slot). Compile-time config: bits ``k``,
     activation dtype, ``gate_up`` (fused SiLU(g) * u)."""
 
+    REAL_ROWS_ONLY = False  # (its gate/up spilled at 80 registers)
+
     def __init__(
         self, k: int, dtype: type[cutlass.Numeric], gate_up: bool, stages=None, cluster=None
     ):
