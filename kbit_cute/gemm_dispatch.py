@@ -25,7 +25,7 @@ import torch
 
 from . import device as _device
 from .compile import MisalignedError, current_raw_stream, launcher
-from .format import KbitWeight
+from .format import BLOCK, TILE_K, TILE_N, KbitWeight
 from .kernels import gemm_table
 from .kernels.gemm import GemmConfig, GemmKernel, gemm_spec
 
@@ -37,15 +37,23 @@ _MAX_ELEMS = 1 << 31  # the kernel indexes A, out and the workspace with int32
 # ----------------------------------------------------------------------------- choice
 
 
-def table_rule(k: int, M: int) -> tuple[str, int, int]:
-    """(config name, target CTAs per SM, max splits) of the table row for bits k and M rows."""
+def table_rule(k: int, M: int, weight_over_l2: bool = False) -> tuple[str, int, int]:
+    """(config name, target CTAs per SM, max splits) of the table row for bits k and M rows.
+
+    ``weight_over_l2``: the weight is larger than the L2. Every M tile streams the whole
+    weight, which then comes from DRAM each time, so where the row's tile is shorter than M
+    a later row whose tile covers M is taken (the table's rows are measured on mostly
+    L2-sized weights: k = 2, M = 64 on 8192x28672 took 140 us with the M <= 64 row's
+    m32 tile, 111 us with the M <= 128 row's m64 tile; ``bench_gemm --tune``)."""
     rows = gemm_table.RULES.get(k)
     if not rows:
         raise ValueError(f"the GEMM table has no rows for k={k}")
-    for m_max, name, ctas_per_sm, max_splits in rows:
-        if M <= m_max:
-            return name, ctas_per_sm, max_splits
-    return rows[-1][1:]
+    first = next((i for i, row in enumerate(rows) if M <= row[0]), len(rows) - 1)
+    if weight_over_l2:
+        for row in rows[first:]:
+            if GemmConfig.parse(row[1]).tile_m >= M:
+                return row[1:]
+    return rows[first][1:]
 
 
 def choose_splits(
@@ -58,11 +66,21 @@ def choose_splits(
     return max(1, min(want, max_splits, k_iters // MIN_K_ITERS_PER_SPLIT))
 
 
-def plan(M: int, N: int, K: int, k: int, sm_count: int) -> tuple[GemmConfig, int]:
-    """The table's (config, splits) for this problem on a GPU with ``sm_count`` SMs."""
-    name, ctas_per_sm, max_splits = table_rule(k, M)
+def plan(
+    M: int, N: int, K: int, k: int, sm_count: int, l2_bytes: int | None = None
+) -> tuple[GemmConfig, int]:
+    """The table's (config, splits) for this problem on a GPU with ``sm_count`` SMs and
+    ``l2_bytes`` of L2 (None: the weight is taken to fit)."""
+    over_l2 = l2_bytes is not None and weight_bytes(N, K, k) > l2_bytes
+    name, ctas_per_sm, max_splits = table_rule(k, M, over_l2)
     cfg = GemmConfig.parse(name)
     return cfg, choose_splits(M, N, K, cfg, sm_count, ctas_per_sm, max_splits)
+
+
+def weight_bytes(N: int, K: int, k: int) -> int:
+    """Bytes of a tiled kbit weight [N, K]: k plane words and one absmax byte per 32."""
+    n_pad, k_pad = -(-N // TILE_N) * TILE_N, -(-K // TILE_K) * TILE_K
+    return n_pad * k_pad // BLOCK * (4 * k + 1)
 
 
 def prefer_cublas(M: int, k: int) -> bool:
@@ -198,13 +216,13 @@ def _resolve(M, N, K, k, dev, config, splits) -> tuple[GemmConfig, int]:
         got = _plans.get(key)
         if got is None:
             props = _device.check_device(dev)
-            cfg, splits = plan(M, N, K, k, props.sm_count)
+            cfg, splits = plan(M, N, K, k, props.sm_count, props.l2_bytes)
             got = _plans[key] = (_fitting(cfg, k, props), splits)
             _check_smem(got[0], k, props)
         return got
     props = _device.check_device(dev)
     if config is None:
-        cfg = _fitting(plan(M, N, K, k, props.sm_count)[0], k, props)
+        cfg = _fitting(plan(M, N, K, k, props.sm_count, props.l2_bytes)[0], k, props)
     elif isinstance(config, str):
         cfg = GemmConfig.parse(config)
     elif isinstance(config, GemmConfig):
@@ -216,7 +234,8 @@ def _resolve(M, N, K, k, dev, config, splits) -> tuple[GemmConfig, int]:
         raise ValueError(f"GEMM config {cfg.name}: " + "; ".join(problems))
     _check_smem(cfg, k, props)
     if splits is None:
-        _, ctas_per_sm, max_splits = table_rule(k, M)
+        over_l2 = weight_bytes(N, K, k) > props.l2_bytes
+        _, ctas_per_sm, max_splits = table_rule(k, M, over_l2)
         splits = choose_splits(M, N, K, cfg, props.sm_count, ctas_per_sm, max_splits)
     if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= 65535:
         raise ValueError(f"splits must be an int in 1..65535, got {splits!r}")

@@ -277,6 +277,7 @@ def write_table(rules: dict, cublas_from: dict, gpu: str, command: str, path: Pa
 
 
 def report(ks, shapes, Ms, bw: float, tflops: float, sm_count: int, log, deterministic_too: bool):
+    l2_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
     rows, records = [], []
     for K, N in shapes:
         b = Bench(K, N, ks)
@@ -284,7 +285,7 @@ def report(ks, shapes, Ms, bw: float, tflops: float, sm_count: int, log, determi
             t_cb = b.cublas(M)
             flops = 2 * M * K * N
             for k in ks:
-                cfg, splits = gd.plan(M, N, K, k, sm_count)
+                cfg, splits = gd.plan(M, N, K, k, sm_count, l2_bytes)
                 t = b.kernel(M, k)
                 t_det = (
                     b.kernel(M, k, deterministic=True) if deterministic_too and splits > 1 else t

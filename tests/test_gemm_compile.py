@@ -249,3 +249,30 @@ def test_benchmark_writes_a_loadable_table(tmp_path):
     assert mod.RULES[3] == rules[3] and mod.CUBLAS_FROM_M[3] == 1024
     assert mod.PROVISIONAL is True  # the other k kept their provisional rows
     assert mod.MEASURED_ON == "Test GPU" and set(mod.RULES) == {2, 3, 4, 5}
+
+
+def test_weights_over_l2_take_a_tile_that_covers_m():
+    """A weight larger than the L2 is read from DRAM once per M tile: the dispatcher takes a
+    later table row whose tile covers M where the row for M has a shorter tile."""
+    l2 = 50 << 20  # the H100's
+    big, small = (28672, 8192), (14336, 4096)  # 66 MB and 15 MB at k = 2
+    assert gd.weight_bytes(*big, 2) > l2 > gd.weight_bytes(*small, 2)
+    for k in KS:
+        for M in (9, 17, 33, 64, 65, 100, 300):
+            plain = g.GemmConfig.parse(gd.table_rule(k, M)[0])
+            assert gd.plan(M, *small, k, 132, l2)[0] == plain
+            cfg = gd.plan(M, *big, k, 132, l2)[0]
+            covering = [
+                g.GemmConfig.parse(r[1]) for r in gemm_table.RULES[k] if r[0] >= M
+            ]  # rows from M's on
+            want = next((c for c in covering if c.tile_m >= M), plain)
+            assert cfg == (plain if plain.tile_m >= M else want), (k, M)
+    # the case that motivated it: k = 2, M = 64 on 8192 x 28672 leaves the m32 tile
+    if g.GemmConfig.parse(gd.table_rule(2, 64)[0]).tile_m < 64:
+        assert gd.plan(64, *big, 2, 132, l2)[0].tile_m >= 64
+
+
+def test_weight_bytes_match_a_quantized_weight(gen):
+    for k, (N, K) in zip(KS, [(200, 96), (128, 64), (300, 1056), (1, 32)], strict=True):
+        qw = fmt.quantize(torch.randn(N, K, generator=gen), k)
+        assert gd.weight_bytes(N, K, k) == qw.nbytes
