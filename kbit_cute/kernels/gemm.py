@@ -482,7 +482,8 @@ class GemmKernel:
         0 (later passes add whole swizzle atoms), [1 + i] the global element offset of pass
         i's chunk at k-slice 0, or -1 for a row past M: those rows are not copied (their
         stale shared data reaches only their own output rows, which are never stored; a
-        copy of row M - 1 for each of them measured slow: 8192x28672 M = 33 k = 4 172 vs 123 us)."""
+        copy of row M - 1 for each of them measured slow: 8192x28672 M = 33 k = 4 172 vs
+        123 us)."""
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         M, K = mA.shape

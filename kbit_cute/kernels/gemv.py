@@ -13,11 +13,12 @@ more than M = 1. What is left per weight is the dequantization into fp16/bf16 pa
 * a thread owns 16 consecutive K of one 32-weight block for 4 columns (two mma row
   tiles); it reads the columns' bit-plane words from the ring, picks its 16-bit half of
   each plane and merges the planes into index fields SWAR-style (``planes_to_fields``);
-* indices become values two at a time: for k <= 4 by one shared-memory load from a
+* indices become values two at a time: for k = 3, 4 by one shared-memory load from a
   256-entry table of pairs (a copy per lane, so no bank conflicts; its address one
-  ``prmt``), for k = 5 by warp shuffles from a table in registers (register lookups also
-  serve k <= 4 in single-quad CTAs, e.g. the grouped MoE kernel), times the block's absmax
-  (one 2-wide multiply; the E4M4 byte becomes a half2 scale with one IMAD, ``absmax_x2``);
+  ``prmt``), for k = 2 four at a time from a table of quads (one 8-byte load), for k = 5
+  by warp shuffles from a table in registers (register lookups also serve k <= 4 in
+  single-quad CTAs, e.g. the grouped MoE kernel), times the block's absmax (one 2-wide
+  multiply; the E4M4 byte becomes a half2 scale with one IMAD, ``absmax_x2``);
 * mma.sync pairs K positions to registers in a fixed pattern; since the dot product does
   not care about the order of K, each register takes the two weights that the SWAR fields
   deliver side by side, and the activations are permuted to match (one ``prmt`` per pair,
