@@ -25,7 +25,7 @@ import torch
 
 from . import device as _device
 from .compile import MisalignedError, current_raw_stream, launcher
-from .format import BLOCK, TILE_K, TILE_N, KbitWeight
+from .format import BLOCK, KbitWeight, padded_shape
 from .kernels import gemm_table
 from .kernels.gemm import GemmConfig, GemmKernel, gemm_spec
 
@@ -71,16 +71,21 @@ def plan(
 ) -> tuple[GemmConfig, int]:
     """The table's (config, splits) for this problem on a GPU with ``sm_count`` SMs and
     ``l2_bytes`` of L2 (None: the weight is taken to fit)."""
-    over_l2 = l2_bytes is not None and weight_bytes(N, K, k) > l2_bytes
-    name, ctas_per_sm, max_splits = table_rule(k, M, over_l2)
+    name, ctas_per_sm, max_splits = table_rule(k, M, weight_over_l2(N, K, k, l2_bytes))
     cfg = GemmConfig.parse(name)
     return cfg, choose_splits(M, N, K, cfg, sm_count, ctas_per_sm, max_splits)
 
 
 def weight_bytes(N: int, K: int, k: int) -> int:
-    """Bytes of a tiled kbit weight [N, K]: k plane words and one absmax byte per 32."""
-    n_pad, k_pad = -(-N // TILE_N) * TILE_N, -(-K // TILE_K) * TILE_K
+    """Bytes of a tiled kbit weight [N, K] (``KbitWeight.nbytes``): k plane words and one
+    absmax byte per 32 weights of the padded shape."""
+    k_pad, n_pad = padded_shape(K, N)
     return n_pad * k_pad // BLOCK * (4 * k + 1)
+
+
+def weight_over_l2(N: int, K: int, k: int, l2_bytes: int | None) -> bool:
+    """Whether the weight is larger than an L2 of ``l2_bytes`` (None: taken to fit)."""
+    return l2_bytes is not None and weight_bytes(N, K, k) > l2_bytes
 
 
 def prefer_cublas(M: int, k: int) -> bool:
@@ -234,7 +239,7 @@ def _resolve(M, N, K, k, dev, config, splits) -> tuple[GemmConfig, int]:
         raise ValueError(f"GEMM config {cfg.name}: " + "; ".join(problems))
     _check_smem(cfg, k, props)
     if splits is None:
-        over_l2 = weight_bytes(N, K, k) > props.l2_bytes
+        over_l2 = weight_over_l2(N, K, k, props.l2_bytes)
         _, ctas_per_sm, max_splits = table_rule(k, M, over_l2)
         splits = choose_splits(M, N, K, cfg, props.sm_count, ctas_per_sm, max_splits)
     if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= 65535:

@@ -239,9 +239,10 @@ def gemv_splits(N: int, K: int, sm_count: int) -> int:
     From an H100 sweep of splits 1..16 (``python -m perf.gemv_kernel_check``, 2026-11-22):
     shapes with many column tiles want long runs (>= 16 K tiles each) and about 6 runs per
     SM in all; shapes with few column tiles are latency-bound and want up to 16 runs of
-    >= 4 K tiles. The same for M = 1..4 since the reduction loads 32 partials per lane per
-    round (``kernels.gemv.REDUCE_LOADS``): halving the splits at M = 4 measured slower
-    (``--workers auto s4 s8 s16``: 2048x2048 7.0 vs 6.0 us, 14336x4096 k = 4 17.9 vs 17.1).
+    >= 4 K tiles. The same for every rows bucket (M = 1..8) since the reduction loads 32
+    partials per lane per round (``kernels.gemv.REDUCE_LOADS``): halving the splits at M = 4
+    measured slower (``--workers auto s4 s8 s16``: 2048x2048 7.0 vs 6.0 us, 14336x4096 k = 4
+    17.9 vs 17.1); at M = 8 this rule was within noise of the best fixed count on six shapes.
     """
     n_tiles = -(-N // 128)
     k_tiles = -(-K // 64)

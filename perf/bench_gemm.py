@@ -35,6 +35,7 @@ from tabulate import tabulate
 
 import kbit_cute
 from kbit_cute import gemm_dispatch as gd
+from kbit_cute.device import device_props
 from kbit_cute.kernels.gemm import GemmConfig, GemmKernel
 
 from .common import copies_for, graph_time_us, read_bandwidth_gbs, tensor_tflops
@@ -277,7 +278,7 @@ def write_table(rules: dict, cublas_from: dict, gpu: str, command: str, path: Pa
 
 
 def report(ks, shapes, Ms, bw: float, tflops: float, sm_count: int, log, deterministic_too: bool):
-    l2_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    l2_bytes = device_props(torch.cuda.current_device()).l2_bytes  # what the dispatcher reads
     rows, records = [], []
     for K, N in shapes:
         b = Bench(K, N, ks)

@@ -257,6 +257,7 @@ def test_weights_over_l2_take_a_tile_that_covers_m():
     l2 = 50 << 20  # the H100's
     big, small = (28672, 8192), (14336, 4096)  # 66 MB and 15 MB at k = 2
     assert gd.weight_bytes(*big, 2) > l2 > gd.weight_bytes(*small, 2)
+    assert gd.weight_over_l2(*big, 2, l2) and not gd.weight_over_l2(*big, 2, None)
     for k in KS:
         for M in (9, 17, 33, 64, 65, 100, 300):
             plain = g.GemmConfig.parse(gd.table_rule(k, M)[0])
