@@ -183,15 +183,16 @@ def _reference(gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, ou
     return out
 
 
-def grouped_splits(items: int, k_tiles: int, sm_count: int) -> int:
+def grouped_splits(items: int, k_tiles: int, sm_count: int, ctas_per_sm: int = 3) -> int:
     """K splits for ``items`` (slots x column groups) CTAs: a power of two, at most 16.
 
     Measured on the H100 (``python -m perf.moe_kernel_check``, Qwen3-Coder-Next experts,
     splits 1/2/4/8): unlike the GEMV, these CTAs are few and short, and what costs is a
     second wave (3-4 CTAs fit per SM) and split-K's extra round trips; best was about 3
-    CTAs per SM in all, each with at least 8 K tiles.
+    CTAs per SM in all, each with at least 8 K tiles. CTAs with the 64 KB lookup table fit
+    2 per SM: ``ctas_per_sm`` 2 (4 splits there measured 30-50% slower than 2).
     """
-    want = min(3 * sm_count // items, k_tiles // 8, 16)
+    want = min(ctas_per_sm * sm_count // items, k_tiles // 8, 16)
     return 1 << (max(want, 1).bit_length() - 1)
 
 
@@ -205,15 +206,32 @@ _WORKSPACE_LIMIT = 64 << 20
 _SMALL_LAUNCH_BYTES = 24 << 20
 _DECODE_STAGES = 5  # kernels.grouped_gemv.DECODE_STAGES (not imported: keeps cutlass lazy)
 _CLUSTER_SPLITS = (2,)  # kernels.grouped_gemv.CLUSTER_SPLITS
+# Decode-ring launches of the grid kernel (k <= 4) whose layer's gate_up experts hold at
+# least this many bytes look up in the GEMV's 64 KB shared-memory table: 11-17% fewer
+# instructions per K tile than register lookups, but 2 CTAs per SM and a table fill per CTA,
+# which cost more than they save on the smallest launches. Measured (``python -m perf moe
+# --t 1 2 --k 2 3 4``, us, table / register lookups): T = 1 Qwen3-Coder-Next k = 2 14.2 /
+# 12.9 (5.9 MiB), GLM-4.7-Flash k = 3 19.4 / 18.0 (9.8 MiB); Qwen k = 4 16.3 / 16.9 (10.6
+# MiB), DeepSeek-V2-Lite k = 4 21.8 / 24.3; T = 2 DeepSeek k = 4 30.9 / 44.3, GLM k = 3
+# 27.4 / 36.8.
+_TABLE_MIN_BYTES = 10 << 20
+_TABLE_CTAS_PER_SM = 2  # GroupedGemvKernel(table=True).min_ctas_per_sm on sm_90 and sm_80
+_GRID_TABLE: bool | None = None  # tuning: force the table on or off (None: the rule)
+
+
+def _layer_bytes(gate_up: bool, slots: int, expert_bytes: int) -> int:
+    """The touched bytes of a launch's layer's gate_up experts: a MoE layer's down experts
+    hold half its gate/up experts' bytes, and both launches of a layer must agree on the
+    choices made by size."""
+    return slots * expert_bytes * (1 if gate_up else 2)
 
 
 def _is_decode_launch(gate_up: bool, slots: int, expert_bytes: int) -> bool:
     """Whether a launch gets the decode treatment (``_SMALL_LAUNCH_BYTES``), judged by its
-    layer's gate_up launch: a MoE layer's down experts hold half its gate/up experts'
-    bytes, and both launches must agree. A small down launch after a large gate_up one,
-    prefetching under ``overlap``, measured slow (DeepSeek-V2-Lite T = 2, k = 4: 66.8 us
-    against 48.2 without overlap)."""
-    return slots * expert_bytes * (1 if gate_up else 2) <= _SMALL_LAUNCH_BYTES
+    layer's gate_up launch. A small down launch after a large gate_up one, prefetching under
+    ``overlap``, measured slow (DeepSeek-V2-Lite T = 2, k = 4: 66.8 us against 48.2 without
+    overlap)."""
+    return _layer_bytes(gate_up, slots, expert_bytes) <= _SMALL_LAUNCH_BYTES
 
 
 _launchers: dict[tuple, object] = {}
@@ -260,6 +278,38 @@ def stream_slots(R: int, E: int) -> int:
     return min((R + 7 * busy) // 8, busy + R // ROWS_PER_PASS)
 
 
+def grid_plan(
+    k: int,
+    gate_up: bool,
+    slots: int,
+    expert_bytes: int,
+    groups: int,
+    k_tiles: int,
+    sm_count: int,
+    stages: int | None = None,
+    splits: int | None = None,
+) -> tuple[int | None, bool, int]:
+    """(ring stages or None for the default, shared-memory table, K splits) of a
+    ``GroupedGemvKernel`` launch of ``slots`` experts x ``groups`` column groups; explicit
+    ``stages`` / ``splits`` are kept."""
+    # The decode ring (and table) also serve launches larger than the prefetch limit that
+    # touch few experts (the grid kernel by the busy-expert rule, k <= 4: T = 2, 3): at
+    # T = 2, k = 4, GLM-4.7-Flash 37.5 -> 29.4 us, DeepSeek-V2-Lite 49.8 -> 32.9
+    # (``python -m perf.moe_kernel_check --T 2 --stages 0 5``).
+    small = _is_decode_launch(gate_up, slots, expert_bytes)
+    few = k <= 4 and slots < _STREAM_MIN_SLOTS
+    stages = stages or (_DECODE_STAGES if small or few else None)
+    table = k <= 4 and stages == _DECODE_STAGES
+    if _GRID_TABLE is None:
+        table = table and _layer_bytes(gate_up, slots, expert_bytes) >= _TABLE_MIN_BYTES
+    else:
+        table = table and _GRID_TABLE
+    if splits is None:
+        fit = _TABLE_CTAS_PER_SM if table else 3
+        splits = grouped_splits(slots * groups, k_tiles, sm_count, fit)
+    return stages, table, splits
+
+
 def _launch(
     gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, max_rows, out, E,
     splits=None, stages=None, overlap=False, kernel=None, min_run=None, cluster=None,
@@ -285,13 +335,12 @@ def _launch(
     groups = -(-(N // 2) // (_CTA_COLS // 2)) if gate_up else -(-N // _CTA_COLS)
     k_tiles = -(-K // 64)
     passes = -(-rows_bound // ROWS_PER_PASS)
-    if splits is None:
-        splits = grouped_splits(slots * groups, k_tiles, props.sm_count)
+    stages, table, splits = grid_plan(
+        k, gate_up, slots, expert_bytes, groups, k_tiles, props.sm_count, stages, splits
+    )
     per_split = slots * groups * passes * ROWS_PER_PASS * _CTA_COLS
     while splits > 1 and per_split * splits * 4 > _WORKSPACE_LIMIT:
         splits //= 2
-    small = _is_decode_launch(gate_up, slots, expert_bytes)
-    stages = stages or (_DECODE_STAGES if small else None)
     # Decode gate_up launches sum 2 K splits in a cluster (distributed shared memory) rather
     # than through the workspace in L2, where the target has clusters (the kernel decides).
     # Measured (``python -m perf moe --t 1 --k 4``, us, Qwen3-Coder-Next / GLM-4.7-Flash /
@@ -300,15 +349,16 @@ def _launch(
     if cluster is None:
         cluster = gate_up and stages == _DECODE_STAGES
     cluster_splits = splits if cluster and splits in _CLUSTER_SPLITS else None
-    key = (k, A.dtype, gate_up, stages, cluster_splits)
+    key = (k, A.dtype, gate_up, stages, cluster_splits, table)
     entry = _launchers.get(key)
     if entry is None:
         from .kernels.gemv import _DTYPES
         from .kernels.grouped_gemv import GroupedGemvKernel, grouped_gemv_spec
 
         dt = _GEMV_DTYPES[A.dtype]
-        in_cluster = GroupedGemvKernel(k, _DTYPES[dt], gate_up, stages, cluster_splits).cluster
-        spec = grouped_gemv_spec(k, dt, gate_up, stages, cluster_splits)
+        kern = GroupedGemvKernel(k, _DTYPES[dt], gate_up, stages, cluster_splits, table)
+        in_cluster = kern.cluster
+        spec = grouped_gemv_spec(k, dt, gate_up, stages, cluster_splits, table)
         entry = _launchers[key] = (launcher(spec), bool(in_cluster))
     fn, in_cluster = entry
     # The GEMV's split-K scratch of this stream (driver memory, safe to first allocate during
@@ -316,7 +366,7 @@ def _launch(
     # counters at zero. A cluster launch sums its splits without it.
     ws_elems = per_split * splits if splits > 1 and not in_cluster else 1
     ws, counters = _split_scratch(dev, current_raw_stream(dev), ws_elems, slots * groups)
-    prefetch = overlap and small
+    prefetch = overlap and _is_decode_launch(gate_up, slots, expert_bytes)
     fn(A, packed, absmax, codebook, scale, offsets, out, ws, counters,
        R, N, K, E, slots, passes, splits, int(prefetch))  # fmt: skip
 

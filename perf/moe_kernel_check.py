@@ -17,6 +17,7 @@ import os
 import torch
 from tabulate import tabulate
 
+from kbit_cute import grouped_ops
 from kbit_cute.experts import dequantize_experts, quantize_experts
 from kbit_cute.grouped_ops import _grouped
 from kbit_cute.moe import sort_by_expert
@@ -161,7 +162,11 @@ def main():
         help="grouped kernel: the dispatch's choice, or GroupedStreamKernel / "
         "GroupedGemvKernel (explicit split counts always run the latter)",
     )
+    p.add_argument("--grid-table", choices=["auto", "on", "off"], default="auto",
+                   help="decode launches of the grid kernel look up in the shared-memory "
+                   "table: the library's rule, always, never")  # fmt: skip
     args = p.parse_args()
+    grouped_ops._GRID_TABLE = {"auto": None, "on": True, "off": False}[args.grid_table]
     out = {}
     if not args.no_check:
         rows = check(args.k)

@@ -1,12 +1,14 @@
 """Grouped expert kernel calls per k that exercise every path (idle experts, an expert with
 more than 8 rows, split-K with several passes, the fused gate/up epilogue, launches that
-overlap the kernel before them; both GroupedGemvKernel and GroupedStreamKernel), for
+overlap the kernel before them, with and without the shared-memory
+table; both GroupedGemvKernel and GroupedStreamKernel), for
 ``compute-sanitizer --tool memcheck|racecheck python -m perf.sanitize_moe``."""
 
 from __future__ import annotations
 
 import torch
 
+from kbit_cute import grouped_ops
 from kbit_cute.experts import quantize_experts
 from kbit_cute.grouped_ops import _grouped
 from kbit_cute.moe import sort_by_expert
@@ -28,11 +30,16 @@ def main() -> None:
             # stages: these launches are small (the decode ring), 3 = the default ring
             # (decode launches: splits 2 summed in a cluster, 4 in the workspace; stages 3:
             # the workspace)
-            for splits, overlap, stages in (
-                (1, False, None), (2, True, None), (4, False, None), (2, False, 3)
+            # table: the decode ring's shared-memory lookup table (k <= 4) on or off
+            for splits, overlap, stages, table in (
+                (1, False, None, False), (2, True, None, False), (4, False, None, False),
+                (2, False, 3, False), (1, True, None, True), (2, True, None, True),
+                (4, False, None, True),
             ):  # fmt: skip
+                grouped_ops._GRID_TABLE = table
                 _grouped(True, A, gate_up, offsets, h, T, splits, stages, overlap, "grid")
                 _grouped(False, h, down, offsets, y, T, splits, stages, overlap, "grid")
+            grouped_ops._GRID_TABLE = None
             # GroupedStreamKernel: split strips (T = 1) and runs that cross strips (T = 20)
             for overlap in (False, True):
                 _grouped(True, A, gate_up, offsets, h, T, overlap=overlap, kernel="stream")

@@ -57,11 +57,14 @@ class _Bank:
         return self.cache[key]
 
 
-@pytest.fixture(params=("stream", "grid"))
+@pytest.fixture(params=("stream", "grid", "grid-table"))
 def kernel(request, monkeypatch):
     """Every launch on GroupedStreamKernel (where its slot table holds the launch) or on
-    GroupedGemvKernel, whatever the dispatch would pick for these small experts."""
-    monkeypatch.setattr(kbit_cute.grouped_ops, "_KERNEL_OVERRIDE", request.param)
+    GroupedGemvKernel, whatever the dispatch would pick for these small experts; the grid
+    kernel's decode launches with register lookups or (k <= 4) the shared-memory table."""
+    grid_table = request.param == "grid-table"
+    monkeypatch.setattr(kbit_cute.grouped_ops, "_KERNEL_OVERRIDE", request.param.split("-")[0])
+    monkeypatch.setattr(kbit_cute.grouped_ops, "_GRID_TABLE", grid_table)
     return request.param
 
 
@@ -346,15 +349,19 @@ def test_overlapped_chain_reads_gate_up_output(k, dtype, T, gen, bank, kernel):
         assert rel_err(y, reference(h, down, offsets, False, Wd)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("table", (False, True))
 @pytest.mark.parametrize("splits", kbit_cute.grouped_ops._CLUSTER_SPLITS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", KS)
-def test_cluster_split_sums_match_the_workspace(k, dtype, splits, gen, bank):
+def test_cluster_split_sums_match_the_workspace(k, dtype, splits, table, gen, bank, monkeypatch):
     """Decode launches on sm_90 sum their K splits in a cluster (distributed shared memory):
     the same bits as the workspace path, and right against the reference; an expert with
-    12 rows (two passes) included."""
+    12 rows (two passes) included; register lookups and the shared-memory table."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("clusters need sm_90")
+    if table and k == 5:
+        pytest.skip("no table for k = 5")
+    monkeypatch.setattr(kbit_cute.grouped_ops, "_GRID_TABLE", table)
     E, top_k, H, inter = CONFIGS["e64"]
     gu, down, (Wgu, Wd) = bank(E, H, inter, k)
     for T, kind in ((1, "random"), (12, "hot")):

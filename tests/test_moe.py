@@ -447,6 +447,8 @@ def test_grouped_ops_overlap_must_be_bool(gen):
 
 def test_grouped_ops_mirrors_the_kernel_constants():
     """grouped_ops copies kernel constants to keep cutlass out of its import: they must agree."""
+    import cutlass
+
     from kbit_cute import grouped_ops
     from kbit_cute.kernels import grouped_gemv
 
@@ -455,6 +457,44 @@ def test_grouped_ops_mirrors_the_kernel_constants():
     assert grouped_ops._CTA_COLS == grouped_gemv.COLS_PER_GROUP
     assert grouped_ops._MAX_STREAM_SLOTS == grouped_gemv.MAX_SLOTS
     assert grouped_ops._CLUSTER_SPLITS == grouped_gemv.CLUSTER_SPLITS
+    for k in (2, 3, 4):
+        for gate_up in (False, True):
+            kern = grouped_gemv.GroupedGemvKernel(
+                k, cutlass.BFloat16, gate_up, grouped_gemv.DECODE_STAGES, table=True
+            )
+            assert kern.table and kern.min_ctas_per_sm == grouped_ops._TABLE_CTAS_PER_SM
+
+
+def _expert_bytes(N, K, k):
+    return N * K * k // 8 + N * K // 32
+
+
+# (model, T, k) -> (gate_up launch: slots, N = 2 I, K), (stages, table, splits) expected:
+# the decode ring for launches of few experts, the table where the layer's gate_up experts
+# hold >= 10 MiB (k <= 4), 2 K splits where table CTAs (2 per SM) leave room.
+GRID_PLANS = {
+    ("qwen3-coder-next", 1, 2): ((10, 1024, 2048), (5, False, 4)),
+    ("qwen3-coder-next", 1, 4): ((10, 1024, 2048), (5, True, 2)),
+    ("glm-4.7-flash", 1, 3): ((4, 3072, 2048), (5, False, 4)),
+    ("deepseek-v2-lite", 1, 4): ((6, 2816, 2048), (5, True, 2)),
+    ("deepseek-v2-lite", 2, 4): ((12, 2816, 2048), (5, True, 1)),  # 35 MB: no prefetch
+    ("deepseek-v2-lite", 2, 5): ((12, 2816, 2048), (None, False, 1)),
+    ("qwen3-coder-next", 1, 5): ((10, 1024, 2048), (5, False, 4)),
+}
+
+
+@pytest.mark.parametrize("case", GRID_PLANS)
+def test_grid_plan_by_launch_size(case):
+    from kbit_cute.grouped_ops import grid_plan
+
+    (slots, N, K), want = GRID_PLANS[case]
+    k = case[2]
+    groups = N // 2 // 64
+    plan = grid_plan(k, True, slots, _expert_bytes(N, K, k), groups, K // 64, 132)
+    assert plan == want
+    # the layer's down launch (half the bytes per expert) agrees on the ring and the table
+    down = grid_plan(k, False, slots, _expert_bytes(K, N // 2, k), K // 128, N // 2 // 64, 132)
+    assert down[:2] == want[:2]
 
 
 @pytest.mark.parametrize("E", (1, 8, 64, 512))

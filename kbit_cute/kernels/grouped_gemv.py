@@ -57,9 +57,11 @@ from .device_helpers import (
 from .gemv import (
     _DTYPES,
     COLS_PER_GROUP,
+    GEMV_LOOKUP,
     LOOKUP,
     MMA_N,
     ROW_TILES,
+    TABLE_BYTES,
     WARPS,
     GemvKernel,
     _run_start,
@@ -159,11 +161,19 @@ class GroupedGemvKernel(GemvKernel):
     REAL_ROWS_ONLY = False  # (its gate/up spilled at 80 registers)
 
     def __init__(
-        self, k: int, dtype: type[cutlass.Numeric], gate_up: bool, stages=None, cluster=None
+        self,
+        k: int,
+        dtype: type[cutlass.Numeric],
+        gate_up: bool,
+        stages=None,
+        cluster=None,
+        table: bool = False,
     ):
-        # Register lookups, one quad of column warps per CTA (a 64 KB pair table per CTA
-        # would cost CTAs per SM; measured: a second quad on the CTA's K tiles gains nothing).
-        super().__init__(k, ROWS_PER_PASS, dtype, stages, lookup=LOOKUP[k], quads=1)
+        # One quad of column warps per CTA (measured: a second quad on the CTA's K tiles
+        # gains nothing). Register lookups, or with ``table`` (k <= 4) the GEMV's 64 KB
+        # shared-memory table per CTA: fewer instructions per weight, fewer CTAs per SM.
+        lookup = GEMV_LOOKUP[k] if table else LOOKUP[k]
+        super().__init__(k, ROWS_PER_PASS, dtype, stages, lookup=lookup, quads=1)
         self.gate_up = gate_up
         # ``cluster`` = C (sm_90): the launch's C K splits of a work item form a cluster and
         # sum their partials through distributed shared memory, without the workspace's L2
@@ -172,9 +182,10 @@ class GroupedGemvKernel(GemvKernel):
         self.cluster = cluster if self.pdl else None
         # Register cap: as many CTAs per SM as the shared-memory rings allow on the target
         # (at most 6), so the compiler keeps each thread to what that many CTAs can have.
-        ring_bytes = 4 * self.stage_words() * self.stages * WARPS
-        epilogue_bytes = 4 * ROWS_PER_PASS * (COLS_PER_GROUP + 4) + 64
-        self.min_ctas_per_sm = max(1, min(6, smem_per_sm() // (ring_bytes + epilogue_bytes)))
+        cta_bytes = 4 * self.stage_words() * self.stages * WARPS  # the ring
+        cta_bytes += 4 * ROWS_PER_PASS * (COLS_PER_GROUP + 4) + 64  # the epilogue's
+        cta_bytes += TABLE_BYTES if self.table else 0
+        self.min_ctas_per_sm = max(1, min(6, smem_per_sm() // cta_bytes))
 
     @cute.jit
     def __call__(
@@ -774,20 +785,27 @@ def grouped_stream_spec(k: int, dtype: str, gate_up: bool, stages: int | None = 
 
 
 def grouped_gemv_spec(
-    k: int, dtype: str, gate_up: bool, stages: int | None = None, cluster: int | None = None
+    k: int,
+    dtype: str,
+    gate_up: bool,
+    stages: int | None = None,
+    cluster: int | None = None,
+    table: bool = False,
 ):
     """The compiled variant of ``GroupedGemvKernel`` (bits, dtype name, fused gate/up;
-    ``stages`` overrides the ring depth; ``cluster``: K splits summed in a cluster)."""
+    ``stages`` overrides the ring depth; ``cluster``: K splits summed in a cluster;
+    ``table``: the GEMV's shared-memory lookup table)."""
     from ..compile import KernelSpec
 
     def build():
         dt = _DTYPES[dtype]
         # R, N, K, E, slots, max_passes, splits, overlap
         args = _fake_args(dt, (1, 128, 64, 1, 1, 1, 1, 0))
-        return GroupedGemvKernel(k, dt, gate_up, stages, cluster), args
+        return GroupedGemvKernel(k, dt, gate_up, stages, cluster, table), args
 
     kind = "gate_up" if gate_up else "down"
     suffix = (f"_s{stages}" if stages else "") + (f"_c{cluster}" if cluster else "")
+    suffix += "_table" if table else ""
     return KernelSpec(f"grouped_gemv_{kind}_k{k}_{dtype}{suffix}", build, expect=("LDGSTS", "HMMA"))
 
 
@@ -817,6 +835,13 @@ def specs():
             for d in _DTYPES
             for gu in (False, True)
             for c in CLUSTER_SPLITS
+        ]
+        + [
+            grouped_gemv_spec(k, d, gu, DECODE_STAGES, c, table=True)
+            for k in (2, 3, 4)
+            for d in _DTYPES
+            for gu in (False, True)
+            for c in (None, *CLUSTER_SPLITS)
         ]
         + [grouped_stream_spec(k, d, gu) for k in (2, 3, 4, 5) for d in _DTYPES for gu in (0, 1)]
     )
