@@ -183,8 +183,13 @@ def _reference(gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, ou
     return out
 
 
-def grouped_splits(items: int, k_tiles: int, sm_count: int, ctas_per_sm: int = 3) -> int:
-    """K splits for ``items`` (slots x column groups) CTAs: a power of two, at most 16.
+def grouped_splits(
+    items: int, k_tiles: int, sm_count: int, ctas_per_sm: int = 3, pow2: bool = True
+) -> int:
+    """K splits for ``items`` (slots x column groups) CTAs: at most 16, a power of two
+    unless ``pow2`` is off (the table launches: Qwen3-Coder-Next's T = 1 gate_up, 80 items,
+    3 splits 10.6 us against 11.4 for 2; the register-lookup launches keep the rounding:
+    k = 5 at 3 splits measured 25-30% slower at T = 1).
 
     Measured on the H100 (``python -m perf.moe_kernel_check``, Qwen3-Coder-Next experts,
     splits 1/2/4/8): unlike the GEMV, these CTAs are few and short, and what costs is a
@@ -192,8 +197,8 @@ def grouped_splits(items: int, k_tiles: int, sm_count: int, ctas_per_sm: int = 3
     CTAs per SM in all, each with at least 8 K tiles. CTAs with the 64 KB lookup table fit
     2 per SM: ``ctas_per_sm`` 2 (4 splits there measured 30-50% slower than 2).
     """
-    want = min(ctas_per_sm * sm_count // items, k_tiles // 8, 16)
-    return 1 << (max(want, 1).bit_length() - 1)
+    want = max(1, min(ctas_per_sm * sm_count // items, k_tiles // 8, 16))
+    return 1 << (want.bit_length() - 1) if pow2 else want
 
 
 # Split-K workspace budget: beyond it the split count drops (fp32 partials of every row).
@@ -306,7 +311,7 @@ def grid_plan(
         table = table and _GRID_TABLE
     if splits is None:
         fit = _TABLE_CTAS_PER_SM if table else 3
-        splits = grouped_splits(slots * groups, k_tiles, sm_count, fit)
+        splits = grouped_splits(slots * groups, k_tiles, sm_count, fit, pow2=not table)
     return stages, table, splits
 
 

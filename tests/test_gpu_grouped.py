@@ -382,6 +382,30 @@ def test_cluster_split_sums_match_the_workspace(k, dtype, splits, table, gen, ba
             assert rel_err(outs[0], reference(A, ex, offsets, gate_up, W)) < tol
 
 
+@pytest.mark.parametrize("table", (False, True))
+@pytest.mark.parametrize("splits", (3, 4))
+@pytest.mark.parametrize("k", (2, 4, 5))
+def test_workspace_split_counts_match_reference(k, splits, table, gen, bank, monkeypatch):
+    """K splits summed through the workspace, any count (3: not a power of two; the split
+    rule fills the SMs), decode ring with and without the table; 12 rows on one expert."""
+    monkeypatch.setattr(kbit_cute.grouped_ops, "_GRID_TABLE", table)
+    E, top_k, H, inter = CONFIGS["e64"]
+    gu, down, (Wgu, Wd) = bank(E, H, inter, k)
+    dtype = torch.bfloat16
+    for T, kind in ((1, "random"), (12, "hot")):
+        ids = make_ids(T, E, top_k, kind, gen)
+        offsets = sort_by_expert(ids.cuda(), E)[1]
+        R = ids.numel()
+        for gate_up, ex, W in ((True, gu, Wgu), (False, down, Wd)):
+            A = torch.randn(R, ex.K, generator=gen).to("cuda", dtype)
+            out = torch.full((R, ex.N // 2 if gate_up else ex.N), float("nan"),
+                             device="cuda", dtype=dtype)  # fmt: skip
+            _grouped(gate_up, A, ex, offsets, out, T, splits, DECODE_STAGES, cluster=False)
+            assert not torch.isnan(out).any(), "an output element was not written"
+            tol = GATE_UP_TOL[dtype] if gate_up else TOL[dtype]
+            assert rel_err(out, reference(A, ex, offsets, gate_up, W)) < tol, (T, gate_up)
+
+
 # One KbitMoE forward at decode, bf16, k = 4: (E, top_k, H, I, shared I, gate, normalize, T)
 # and the kernels kbit_cute/moe.py counts for it (its docstring lists them).
 KERNEL_CASES = {
