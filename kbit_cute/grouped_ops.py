@@ -184,7 +184,12 @@ def _reference(gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, ou
 
 
 def grouped_splits(
-    items: int, k_tiles: int, sm_count: int, ctas_per_sm: int = 3, pow2: bool = True
+    items: int,
+    k_tiles: int,
+    sm_count: int,
+    ctas_per_sm: int = 3,
+    pow2: bool = True,
+    min_run: int = 8,
 ) -> int:
     """K splits for ``items`` (slots x column groups) CTAs: at most 16, a power of two
     unless ``pow2`` is off (the table launches: Qwen3-Coder-Next's T = 1 gate_up, 80 items,
@@ -195,9 +200,11 @@ def grouped_splits(
     splits 1/2/4/8): unlike the GEMV, these CTAs are few and short, and what costs is a
     second wave (3-4 CTAs fit per SM) and split-K's extra round trips; best was about 3
     CTAs per SM in all, each with at least 8 K tiles. CTAs with the 64 KB lookup table fit
-    2 per SM: ``ctas_per_sm`` 2 (4 splits there measured 30-50% slower than 2).
+    2 per SM: ``ctas_per_sm`` 2 (4 splits there measured 30-50% slower than 2), and their
+    splits keep ``min_run`` 6 K tiles at least, not 8 (GLM-4.7-Flash's T = 1 down, 64 items
+    of 24 K tiles: 4 splits 7.7 us against 8.3 for 3).
     """
-    want = max(1, min(ctas_per_sm * sm_count // items, k_tiles // 8, 16))
+    want = max(1, min(ctas_per_sm * sm_count // items, k_tiles // min_run, 16))
     return 1 << (want.bit_length() - 1) if pow2 else want
 
 
@@ -311,7 +318,9 @@ def grid_plan(
         table = table and _GRID_TABLE
     if splits is None:
         fit = _TABLE_CTAS_PER_SM if table else 3
-        splits = grouped_splits(slots * groups, k_tiles, sm_count, fit, pow2=not table)
+        splits = grouped_splits(
+            slots * groups, k_tiles, sm_count, fit, pow2=not table, min_run=6 if table else 8
+        )
     return stages, table, splits
 
 

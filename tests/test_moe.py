@@ -476,6 +476,7 @@ GRID_PLANS = {
     ("qwen3-coder-next", 1, 2): ((10, 1024, 2048), (5, False, 4)),
     ("qwen3-coder-next", 1, 4): ((10, 1024, 2048), (5, True, 3)),
     ("glm-4.7-flash", 1, 3): ((4, 3072, 2048), (5, False, 4)),
+    ("glm-4.7-flash", 1, 4): ((4, 3072, 2048), (5, True, 2)),
     ("deepseek-v2-lite", 1, 4): ((6, 2816, 2048), (5, True, 2)),
     ("deepseek-v2-lite", 2, 4): ((12, 2816, 2048), (5, True, 1)),  # 35 MB: no prefetch
     ("deepseek-v2-lite", 2, 5): ((12, 2816, 2048), (None, False, 1)),
@@ -496,6 +497,8 @@ def test_grid_plan_by_launch_size(case):
     # the layer's down launch (half the bytes per expert) agrees on the ring and the table
     down = grid_plan(k, False, slots, _expert_bytes(K, N // 2, k), K // 128, N // 2 // 64, 132)
     assert down[:2] == want[:2]
+    if case == ("glm-4.7-flash", 1, 4):
+        assert down[2] == 4  # 64 items, 24 K tiles: 4 splits of 6 (with the table)
 
 
 @pytest.mark.parametrize("E", (1, 8, 64, 512))
