@@ -349,6 +349,23 @@ def test_overlapped_chain_reads_gate_up_output(k, dtype, T, gen, bank, kernel):
         assert rel_err(y, reference(h, down, offsets, False, Wd)) < TOL[dtype]
 
 
+def decode_launches(k, dtype, gen, bank):
+    """(T, gate_up, experts, dense weights, A, offsets, a maker of NaN outputs) of the e64
+    experts' gate_up and down launches at T = 1 (random) and 12 (one hot expert: 12 rows,
+    two passes), fresh activations each."""
+    E, top_k, H, inter = CONFIGS["e64"]
+    gu, down, (Wgu, Wd) = bank(E, H, inter, k)
+    for T, kind in ((1, "random"), (12, "hot")):
+        ids = make_ids(T, E, top_k, kind, gen)
+        offsets = sort_by_expert(ids.cuda(), E)[1]
+        R = ids.numel()
+        for gate_up, ex, W in ((True, gu, Wgu), (False, down, Wd)):
+            A = torch.randn(R, ex.K, generator=gen).to("cuda", dtype)
+            shape = (R, ex.N // 2 if gate_up else ex.N)
+            poisoned = lambda s=shape: torch.full(s, float("nan"), device="cuda", dtype=dtype)  # noqa: E731
+            yield T, gate_up, ex, W, A, offsets, poisoned
+
+
 @pytest.mark.parametrize("table", (False, True))
 @pytest.mark.parametrize("splits", kbit_cute.grouped_ops._CLUSTER_SPLITS)
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -362,24 +379,16 @@ def test_cluster_split_sums_match_the_workspace(k, dtype, splits, table, gen, ba
     if table and k == 5:
         pytest.skip("no table for k = 5")
     monkeypatch.setattr(kbit_cute.grouped_ops, "_GRID_TABLE", table)
-    E, top_k, H, inter = CONFIGS["e64"]
-    gu, down, (Wgu, Wd) = bank(E, H, inter, k)
-    for T, kind in ((1, "random"), (12, "hot")):
-        ids = make_ids(T, E, top_k, kind, gen)
-        offsets = sort_by_expert(ids.cuda(), E)[1]
-        R = ids.numel()
-        for gate_up, ex, W in ((True, gu, Wgu), (False, down, Wd)):
-            A = torch.randn(R, ex.K, generator=gen).to("cuda", dtype)
-            outs = []
-            for cluster in (True, False):
-                out = torch.full((R, ex.N // 2 if gate_up else ex.N), float("nan"),
-                                 device="cuda", dtype=dtype)  # fmt: skip
-                _grouped(gate_up, A, ex, offsets, out, T, splits, DECODE_STAGES, cluster=cluster)
-                outs.append(out)
-            assert not torch.isnan(outs[0]).any(), "an output element was not written"
-            assert torch.equal(outs[0], outs[1]), (T, gate_up)
-            tol = GATE_UP_TOL[dtype] if gate_up else TOL[dtype]
-            assert rel_err(outs[0], reference(A, ex, offsets, gate_up, W)) < tol
+    for T, gate_up, ex, W, A, offsets, poisoned in decode_launches(k, dtype, gen, bank):
+        outs = []
+        for cluster in (True, False):
+            out = poisoned()
+            _grouped(gate_up, A, ex, offsets, out, T, splits, DECODE_STAGES, cluster=cluster)
+            outs.append(out)
+        assert not torch.isnan(outs[0]).any(), "an output element was not written"
+        assert torch.equal(outs[0], outs[1]), (T, gate_up)
+        tol = GATE_UP_TOL[dtype] if gate_up else TOL[dtype]
+        assert rel_err(outs[0], reference(A, ex, offsets, gate_up, W)) < tol
 
 
 @pytest.mark.parametrize("table", (False, True))
@@ -389,21 +398,13 @@ def test_workspace_split_counts_match_reference(k, splits, table, gen, bank, mon
     """K splits summed through the workspace, any count (3: not a power of two; the split
     rule fills the SMs), decode ring with and without the table; 12 rows on one expert."""
     monkeypatch.setattr(kbit_cute.grouped_ops, "_GRID_TABLE", table)
-    E, top_k, H, inter = CONFIGS["e64"]
-    gu, down, (Wgu, Wd) = bank(E, H, inter, k)
     dtype = torch.bfloat16
-    for T, kind in ((1, "random"), (12, "hot")):
-        ids = make_ids(T, E, top_k, kind, gen)
-        offsets = sort_by_expert(ids.cuda(), E)[1]
-        R = ids.numel()
-        for gate_up, ex, W in ((True, gu, Wgu), (False, down, Wd)):
-            A = torch.randn(R, ex.K, generator=gen).to("cuda", dtype)
-            out = torch.full((R, ex.N // 2 if gate_up else ex.N), float("nan"),
-                             device="cuda", dtype=dtype)  # fmt: skip
-            _grouped(gate_up, A, ex, offsets, out, T, splits, DECODE_STAGES, cluster=False)
-            assert not torch.isnan(out).any(), "an output element was not written"
-            tol = GATE_UP_TOL[dtype] if gate_up else TOL[dtype]
-            assert rel_err(out, reference(A, ex, offsets, gate_up, W)) < tol, (T, gate_up)
+    for T, gate_up, ex, W, A, offsets, poisoned in decode_launches(k, dtype, gen, bank):
+        out = poisoned()
+        _grouped(gate_up, A, ex, offsets, out, T, splits, DECODE_STAGES, cluster=False)
+        assert not torch.isnan(out).any(), "an output element was not written"
+        tol = GATE_UP_TOL[dtype] if gate_up else TOL[dtype]
+        assert rel_err(out, reference(A, ex, offsets, gate_up, W)) < tol, (T, gate_up)
 
 
 # One KbitMoE forward at decode, bf16, k = 4: (E, top_k, H, I, shared I, gate, normalize, T)
