@@ -15,7 +15,9 @@ dequantize + a matmul per expert.
 count, since a token picks an expert at most once. The kernel for large launches
 (``GroupedGemvKernel``) keeps split-K partial sums for that many rows per expert; rows past
 the bound come out as NaN, never silently wrong. Launches with 16 or more busy experts at
-k <= 4 (``GroupedStreamKernel``, stream-K over every SM) do not need the bound.
+k <= 4 (``GroupedStreamKernel``, stream-K over every SM) do not need the bound, nor do
+launches of 16 or more rows per busy expert on average (prefill), which run
+``GroupedGemmKernel``: the dense GEMM's mma tiles of 64 rows per (expert, M tile) work item.
 
 ``overlap=True`` (H100 and later) lets a launch find its experts and prefetch their weights
 while the kernel before it on the stream still runs; it reads ``A`` and writes ``out`` only
@@ -263,7 +265,16 @@ _STREAM_MIN_RUN = 8
 _STREAM_MIN_SLOTS = 16
 
 
-def _choose_kernel(k: int, slots: int, busy_bound: int) -> str:
+# Launches whose rows per busy expert are at least this many on average (R / min(E, R))
+# run GroupedGemmKernel (mma tiles of 64 rows per expert) instead of the GEMV kernels, which
+# re-stream an expert's weights per 8 rows. Measured (``python -m perf.moe_kernel_check
+# --T 64 256 1024 --kernels auto gemm``, k = 4, overlapped gate_up + down, us, GEMV kernels /
+# GEMM): 5 rows per expert (Qwen3-Coder-Next T = 256) 392 / 790, 16 (GLM-4.7-Flash T = 256)
+# 323 / 316, 20 (Qwen T = 1024) 1421 / 926, 24 (DeepSeek-V2-Lite T = 256) 419 / 301.
+_GEMM_MIN_ROWS_PER_EXPERT = 16
+
+
+def _choose_kernel(k: int, slots: int, busy_bound: int, rows: int = 0, N: int = 0) -> str:
     """GroupedStreamKernel for k <= 4 where up to ``busy_bound`` >= 16 experts are busy and
     its slot table holds the launch, else GroupedGemvKernel. Measured on the H100
     (``python -m perf.moe_kernel_check --model qwen3-coder-next deepseek-v2-lite
@@ -277,8 +288,13 @@ def _choose_kernel(k: int, slots: int, busy_bound: int) -> str:
     table: one quad per CTA) measured equal or slower on the stream kernel (Qwen T = 4 57
     against 53)."""
     fits = slots <= _MAX_STREAM_SLOTS
+    gemm_fits = N % 8 == 0  # (its 16-byte output stores start every expert's rows)
     if _KERNEL_OVERRIDE is not None:  # (tests: one kernel wherever it can serve)
+        if _KERNEL_OVERRIDE == "gemm":
+            return "gemm" if gemm_fits else "grid"
         return _KERNEL_OVERRIDE if fits else "grid"
+    if gemm_fits and rows >= _GEMM_MIN_ROWS_PER_EXPERT * busy_bound:
+        return "gemm"
     return "stream" if fits and k <= 4 and busy_bound >= _STREAM_MIN_SLOTS else "grid"
 
 
@@ -337,7 +353,10 @@ def _launch(
     if splits is not None:
         kernel = "grid"
     if kernel is None:
-        kernel = _choose_kernel(k, stream_slots_bound, min(E, R))
+        kernel = _choose_kernel(k, stream_slots_bound, min(E, R), R, N)
+    if kernel == "gemm":
+        _launch_gemm(gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, out, E)
+        return
     if kernel == "stream" and stream_slots_bound > _MAX_STREAM_SLOTS:
         raise ValueError(f"{stream_slots_bound} work slots exceed the stream kernel's table")
     if kernel == "stream":
@@ -411,12 +430,40 @@ def _launch_stream(
        A.shape[0], N, K, E, slots, ctas, min_run or _STREAM_MIN_RUN, int(prefetch))  # fmt: skip
 
 
+def _launch_gemm(gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, out, E):
+    """``GroupedGemmKernel``: (expert M tile, N tile) work items; gate/up's SiLU(g) * u
+    (fp32, rounded once) is applied after it, in torch."""
+    from .kernels.gemm import _DTYPES as _GEMM_DTYPES
+
+    if N % 8:
+        raise ValueError(f"the grouped GEMM needs N % 8 == 0, got N={N}")
+    key = ("gemm", k, A.dtype)
+    fn = _launchers.get(key)
+    if fn is None:
+        from .kernels.grouped_gemm import CONFIG, grouped_gemm_spec
+
+        dt = {torch.float16: "f16", torch.bfloat16: "bf16"}[A.dtype]
+        assert dt in _GEMM_DTYPES
+        fn = _launchers[key] = (launcher(grouped_gemm_spec(k, dt, CONFIG)), CONFIG.tile_m)
+    fn, tile_m = fn
+    R = A.shape[0]
+    slots = min(E, R) + R // tile_m  # >= the sum over experts of ceil(rows / tile_m)
+    full = out if not gate_up else torch.empty(R, N, device=A.device, dtype=A.dtype)
+    if slots > 0:
+        fn(A, packed, absmax, codebook, scale, offsets, full, R, N, K, E, slots)
+    if gate_up:
+        inter = N // 2
+        g, u = full[:, :inter].float(), full[:, inter:].float()
+        torch.mul(torch.nn.functional.silu(g), u, out=g)
+        out.copy_(g)
+
+
 def _grouped(
     gate_up, A, ex: KbitExperts, offsets, out, max_rows=0, splits=None, stages=None,
     overlap=False, kernel=None, min_run=None, cluster=None,
 ):  # fmt: skip
-    """The grouped kernel with an explicit split count / ring depth / ``kernel`` ("stream"
-    or "grid"; an explicit split count means "grid") / stream run floor / ``cluster``
+    """The grouped kernel with an explicit split count / ring depth / ``kernel`` ("stream",
+    "grid" or "gemm"; an explicit split count means "grid") / stream run floor / ``cluster``
     (False: decode launches sum their splits through the workspace), for checks and
     tuning."""
     E, _ = _check_args(gate_up, A, ex.packed, ex.absmax, ex.codebook, ex.scale, offsets,

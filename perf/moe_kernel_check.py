@@ -117,7 +117,7 @@ def timing(ks, Ts, split_list, stage_list, dtype, kernels=(None,), model="qwen3-
                 for s in split_list for st in stage_list for kn in kernels for mr in min_runs
             ]  # fmt: skip
             for splits, stages, kern, min_run in combos:
-                if splits is not None and kern == "stream":
+                if splits is not None and kern in ("stream", "gemm"):
                     continue
                 if min_run is not None and kern != "stream":
                     continue
@@ -158,9 +158,9 @@ def main():
         "--kernels",
         nargs="+",
         default=["auto"],
-        choices=["auto", "stream", "grid"],
+        choices=["auto", "stream", "grid", "gemm"],
         help="grouped kernel: the dispatch's choice, or GroupedStreamKernel / "
-        "GroupedGemvKernel (explicit split counts always run the latter)",
+        "GroupedGemvKernel / GroupedGemmKernel (explicit split counts run the grid kernel)",
     )
     p.add_argument("--grid-table", choices=["auto", "on", "off"], default="auto",
                    help="decode launches of the grid kernel look up in the shared-memory "

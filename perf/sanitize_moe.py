@@ -1,7 +1,7 @@
 """Grouped expert kernel calls per k that exercise every path (idle experts, an expert with
 more than 8 rows, split-K with several passes, the fused gate/up epilogue, launches that
 overlap the kernel before them, with and without the shared-memory
-table; both GroupedGemvKernel and GroupedStreamKernel), for
+table; GroupedGemvKernel, GroupedStreamKernel and GroupedGemmKernel), for
 ``compute-sanitizer --tool memcheck|racecheck python -m perf.sanitize_moe``."""
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ def main() -> None:
             for overlap in (False, True):
                 _grouped(True, A, gate_up, offsets, h, T, overlap=overlap, kernel="stream")
                 _grouped(False, h, down, offsets, y, T, overlap=overlap, kernel="stream")
+            # GroupedGemmKernel: M tiles of one row (T = 1) and of a crowded expert (T = 20)
+            _grouped(True, A, gate_up, offsets, h, T, kernel="gemm")
+            _grouped(False, h, down, offsets, y, T, kernel="gemm")
     torch.cuda.synchronize()
     print("sanitize_moe: done")
 

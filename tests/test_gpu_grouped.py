@@ -57,11 +57,12 @@ class _Bank:
         return self.cache[key]
 
 
-@pytest.fixture(params=("stream", "grid", "grid-table"))
+@pytest.fixture(params=("stream", "grid", "grid-table", "gemm"))
 def kernel(request, monkeypatch):
-    """Every launch on GroupedStreamKernel (where its slot table holds the launch) or on
-    GroupedGemvKernel, whatever the dispatch would pick for these small experts; the grid
-    kernel's decode launches with register lookups or (k <= 4) the shared-memory table."""
+    """Every launch on GroupedStreamKernel (where its slot table holds the launch), on
+    GroupedGemvKernel or on GroupedGemmKernel, whatever the dispatch would pick for these
+    small experts; the grid kernel's decode launches with register lookups or (k <= 4) the
+    shared-memory table."""
     grid_table = request.param == "grid-table"
     monkeypatch.setattr(kbit_cute.grouped_ops, "_KERNEL_OVERRIDE", request.param.split("-")[0])
     monkeypatch.setattr(kbit_cute.grouped_ops, "_GRID_TABLE", grid_table)

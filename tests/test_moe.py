@@ -517,3 +517,21 @@ def test_stream_slots_bounds_every_routing(R, E):
             assert int(((rows + 7) // 8).sum()) <= stream_slots(R, E), (R, E, spread)
     busy = min(E, R)  # one crowded expert, every other busy expert with one row
     assert busy - 1 + -(-(R - busy + 1) // 8) <= stream_slots(R, E)
+
+
+@pytest.mark.parametrize(
+    "R, E, N, want",
+    [
+        (10, 512, 1024, "grid"),  # Qwen3-Coder-Next T = 1: 10 experts, one row each
+        (2560, 512, 1024, "stream"),  # T = 256: 5 rows per expert
+        (10240, 512, 1024, "gemm"),  # T = 1024: 20 rows per expert
+        (1024, 64, 3072, "gemm"),  # GLM-4.7-Flash T = 256: 16 rows per expert
+        (1024, 64, 3068, "stream"),  # N % 8 != 0: no 16-byte output rows for the GEMM
+    ],
+)
+def test_choose_kernel_by_rows_per_expert(R, E, N, want):
+    """The grouped GEMM takes launches of >= 16 rows per busy expert (their bound), the
+    GEMV kernels the rest."""
+    from kbit_cute.grouped_ops import _choose_kernel, stream_slots
+
+    assert _choose_kernel(4, stream_slots(R, E), min(E, R), R, N) == want

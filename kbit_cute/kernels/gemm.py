@@ -246,10 +246,26 @@ class GemmKernel:
         has_bias: Int32,
         atomic: Int32,
     ):
+        m_cta, n_cta, split = cute.arch.block_idx()
+        m_ctas = (M + self.cfg.tile_m - 1) // self.cfg.tile_m
+        smem = SmemAllocator()
+        base_u8 = cute.recast_ptr(
+            smem.allocate(self.plan["total"], byte_alignment=1024), dtype=cutlass.Uint8
+        )
+        self.tile(
+            base_u8, pA, pPacked, pAbsmax, pCodebook, pScale, pBias, pOut, pWorkspace,
+            pCounters, M, N, K, splits, has_bias, atomic, m_cta, n_cta, split, m_ctas,
+        )  # fmt: skip
+
+    @cute.jit
+    def tile(
+        self, base_u8, pA, pPacked, pAbsmax, pCodebook, pScale, pBias, pOut, pWorkspace,
+        pCounters, M, N, K, splits, has_bias, atomic, m_cta, n_cta, split, m_ctas,
+    ):  # fmt: skip
+        """One CTA's output tile (m_cta, n_cta) over its split's K slices, from the shared
+        memory at ``base_u8`` (``plan["total"]`` bytes): the mainloop and the epilogue."""
         cfg, k, plan = self.cfg, self.k, self.plan
         tidx, _, _ = cute.arch.thread_idx()
-        m_cta, n_cta, split = cute.arch.block_idx()
-        m_ctas = (M + cfg.tile_m - 1) // cfg.tile_m
 
         # K slices of this split: [kt_begin, kt_end) in units of TILE_K.
         k_iters = (K + cfg.tile_k - 1) // cfg.tile_k
@@ -258,10 +274,6 @@ class GemmKernel:
         n_iter = kt_end - kt_begin
 
         # ---- shared memory: [pipeline stages | epilogue tile] union, pair table, flag
-        smem = SmemAllocator()
-        base_u8 = cute.recast_ptr(
-            smem.allocate(plan["total"], byte_alignment=1024), dtype=cutlass.Uint8
-        )
         sA = cute.make_tensor(
             cute.recast_ptr(base_u8 + plan["a"], dtype=self.dtype), self.a_smem_layout()
         )  # (TILE_M, TILE_K, stages), swizzled

@@ -6,7 +6,8 @@ with quads of warps sharing the pair table, and serves launches of 16 or more ex
 (decode at T >= 4, k <= 4); ``GroupedGemvKernel``, one small CTA per work item, serves the small
 launches (T = 1: its CTAs start early and prefetch, see Overlap) and the large ones whose
 work slots overflow the stream kernel's table; it looks up in registers or (``table``, the
-larger decode launches) in a GEMV lookup table of its own. ``kbit_cute.grouped_ops`` picks.
+larger decode launches) in a GEMV lookup table of its own. Launches of many rows per
+expert go to ``grouped_gemm.GroupedGemmKernel``. ``kbit_cute.grouped_ops`` picks.
 
 ``out[rows of e] = A[rows of e] @ W_e^T`` for the E stacked weights of a ``KbitExperts``,
 rows sorted by expert, ``expert_offsets`` [E + 1] on the device. The per-expert work is the
