@@ -433,19 +433,16 @@ def _launch_stream(
 def _launch_gemm(gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, out, E):
     """``GroupedGemmKernel``: (expert M tile, N tile) work items; gate/up's SiLU(g) * u
     (fp32, rounded once) is applied after it, in torch."""
-    from .kernels.gemm import _DTYPES as _GEMM_DTYPES
-
     if N % 8:
         raise ValueError(f"the grouped GEMM needs N % 8 == 0, got N={N}")
     key = ("gemm", k, A.dtype)
-    fn = _launchers.get(key)
-    if fn is None:
+    entry = _launchers.get(key)
+    if entry is None:
         from .kernels.grouped_gemm import CONFIG, grouped_gemm_spec
 
-        dt = {torch.float16: "f16", torch.bfloat16: "bf16"}[A.dtype]
-        assert dt in _GEMM_DTYPES
-        fn = _launchers[key] = (launcher(grouped_gemm_spec(k, dt, CONFIG)), CONFIG.tile_m)
-    fn, tile_m = fn
+        spec = grouped_gemm_spec(k, _GEMV_DTYPES[A.dtype], CONFIG)
+        entry = _launchers[key] = (launcher(spec), CONFIG.tile_m)
+    fn, tile_m = entry
     R = A.shape[0]
     slots = min(E, R) + R // tile_m  # >= the sum over experts of ceil(rows / tile_m)
     full = out if not gate_up else torch.empty(R, N, device=A.device, dtype=A.dtype)
