@@ -27,7 +27,7 @@ from cutlass.memory import SmemAllocator
 
 from ..format import TILE_K, TILE_N
 from .gemm import _DTYPES, GemmConfig, GemmKernel
-from .grouped_gemv import SCAN_PER_THREAD, cta_prefix_count
+from .grouped_gemv import find_work_slot
 
 
 class GroupedGemmKernel(GemmKernel):
@@ -79,7 +79,7 @@ class GroupedGemmKernel(GemmKernel):
             smem.allocate(self.plan["total"], byte_alignment=1024), dtype=cutlass.Uint8
         )
         sScan = smem.allocate_tensor(Int32, cute.make_layout(warps + 4), byte_alignment=4)
-        self.find_tile(mOff, slot, sScan)
+        find_work_slot(mOff, slot, sScan, self.threads, self.cfg.tile_m)
         expert = sScan[warps]
         if expert >= 0:
             row_begin = sScan[warps + 1]
@@ -100,41 +100,6 @@ class GroupedGemmKernel(GemmKernel):
                 pScale + expert, pOut, pOut + o_first, pScale, mOff.iterator, rows, N, K,
                 1, 0, 0, m_tile, n_cta, 0, 1,
             )  # fmt: skip
-
-    @cute.jit
-    def find_tile(self, mOff: cute.Tensor, slot: Int32, sScan: cute.Tensor):
-        """sScan[W..W+3] = (expert, first row, rows, M tile) of work slot ``slot``, or expert
-        -1 past the last tile. Each round every thread takes SCAN_PER_THREAD consecutive
-        experts' tile counts; a prefix count over the CTA places them."""
-        tidx, _, _ = cute.arch.thread_idx()
-        E = cute.size(mOff) - 1
-        W = self.threads // 32
-        tile_m = self.cfg.tile_m
-        if tidx == 0:
-            sScan[W] = Int32(-1)
-        base = Int32(0)  # tiles of the experts before this round
-        for first in cutlass.range(0, E, self.threads * SCAN_PER_THREAD, unroll=1):
-            e0 = first + tidx * SCAN_PER_THREAD
-            bounds = [mOff[cutlass.min(e0 + j, E)] for j in range(SCAN_PER_THREAD + 1)]
-            tiles = [
-                Int32(e0 + j < E)
-                * ((cutlass.max(bounds[j + 1] - bounds[j], 0) + tile_m - 1) // tile_m)
-                for j in range(SCAN_PER_THREAD)
-            ]
-            mine = tiles[0]
-            for j in cutlass.range_constexpr(1, SCAN_PER_THREAD):
-                mine = mine + tiles[j]
-            before, total = cta_prefix_count(mine, sScan, W)
-            start = base + before
-            for j in cutlass.range_constexpr(SCAN_PER_THREAD):
-                if slot >= start and slot < start + tiles[j]:
-                    sScan[W] = e0 + j
-                    sScan[W + 1] = bounds[j]
-                    sScan[W + 2] = bounds[j + 1] - bounds[j]
-                    sScan[W + 3] = slot - start
-                start = start + tiles[j]
-            base = base + total
-            cute.arch.sync_threads()  # the warp totals are read before the next round
 
 
 def grouped_gemm_spec(k: int, dtype: str, config: GemmConfig):

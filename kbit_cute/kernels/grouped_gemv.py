@@ -145,6 +145,52 @@ def cta_prefix_count(mine: Int32, sWarp: cute.Tensor, warps: cutlass.Constexpr):
     return before, total
 
 
+@cute.jit
+def find_work_slot(
+    mOff: cute.Tensor,
+    slot: Int32,
+    sScan: cute.Tensor,
+    threads: cutlass.Constexpr,
+    tile_rows: cutlass.Constexpr = 0,
+):
+    """sScan[W..W+3] = (expert, first row, rows, tile) of work slot ``slot``, W = threads //
+    32, or expert -1 past the last slot. Slots number, in expert order, the tiles of
+    ``tile_rows`` rows of every expert (0: one slot per expert with rows, its tile 0), so
+    the host never reads the offsets. Each round every thread counts the tiles of
+    SCAN_PER_THREAD consecutive experts; a prefix count over the CTA places them. ``sScan``
+    holds W + 4 ints; the CTA syncs once per round."""
+    tidx, _, _ = cute.arch.thread_idx()
+    E = cute.size(mOff) - 1
+    W = threads // 32
+    if tidx == 0:
+        sScan[W] = Int32(-1)
+    base = Int32(0)  # tiles of the experts before this round
+    for first in cutlass.range(0, E, threads * SCAN_PER_THREAD, unroll=1):
+        e0 = first + tidx * SCAN_PER_THREAD
+        bounds = [mOff[cutlass.min(e0 + j, E)] for j in range(SCAN_PER_THREAD + 1)]
+        tiles = []
+        for j in cutlass.range_constexpr(SCAN_PER_THREAD):
+            rows = cutlass.max(bounds[j + 1] - bounds[j], 0)
+            if cutlass.const_expr(tile_rows == 0):
+                tiles.append(Int32((e0 + j < E) & (rows > 0)))
+            else:
+                tiles.append(Int32(e0 + j < E) * ((rows + tile_rows - 1) // tile_rows))
+        mine = tiles[0]
+        for j in cutlass.range_constexpr(1, SCAN_PER_THREAD):
+            mine = mine + tiles[j]
+        before, total = cta_prefix_count(mine, sScan, W)
+        start = base + before
+        for j in cutlass.range_constexpr(SCAN_PER_THREAD):
+            if slot >= start and slot < start + tiles[j]:
+                sScan[W] = e0 + j
+                sScan[W + 1] = bounds[j]
+                sScan[W + 2] = bounds[j + 1] - bounds[j]
+                sScan[W + 3] = slot - start
+            start = start + tiles[j]
+        base = base + total
+        cute.arch.sync_threads()  # the warp totals are read before the next round
+
+
 def cta_column_layout(gate_up: bool, intermediate: int = GATE_UP_COLS) -> cute.Layout:
     """(mma row g, column half h, row tile r, warp w) -> weight column, relative to the CTA's
     first column. Dense: the CTA's 128 columns, warp w the w-th 32. Gate/up: warps 0-1 take
@@ -253,7 +299,7 @@ class GroupedGemvKernel(GemvKernel):
 
         smem = SmemAllocator()
         sFlag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
-        sScan = smem.allocate_tensor(Int32, cute.make_layout(WARPS + 3), byte_alignment=4)
+        sScan = smem.allocate_tensor(Int32, cute.make_layout(WARPS + 4), byte_alignment=4)
         # One pass's outputs (rows x CTA columns) on their way to coalesced stores. Row
         # stride 132: the mma fragment's writes (8 columns x 4 row pairs) hit 32 banks.
         sOut = smem.allocate_tensor(
@@ -264,7 +310,7 @@ class GroupedGemvKernel(GemvKernel):
 
         if overlap == 0:
             self.wait_previous()
-        self.find_expert(mOff, slot, sScan)
+        find_work_slot(mOff, slot, sScan, self.threads)  # the slot-th expert with rows
         expert = sScan[WARPS]
         row_begin = sScan[WARPS + 1]
         R = mA.shape[0]
@@ -346,39 +392,6 @@ class GroupedGemvKernel(GemvKernel):
                 else:
                     off = cute.crd2idx((tile_col, (0, kt)), mSe.layout)
                     prefetch_l2(mSe.iterator + off, run * BLOCKS_PER_TILE_K)
-
-    @cute.jit
-    def find_expert(self, mOff: cute.Tensor, slot: Int32, sScan: cute.Tensor):
-        """sScan[W..W+2] = (expert, first row, rows) of the slot-th expert with rows, or
-        expert -1. Each round, every thread checks SCAN_PER_THREAD consecutive experts; a
-        prefix count over the CTA ranks the busy ones."""
-        tidx, _, _ = cute.arch.thread_idx()
-        E = cute.size(mOff) - 1
-        per_round = self.threads * SCAN_PER_THREAD
-        W = WARPS
-        if tidx == 0:
-            sScan[W] = Int32(-1)
-        base = Int32(0)  # busy experts before this round
-        for first in cutlass.range(0, E, per_round, unroll=1):
-            e0 = first + tidx * SCAN_PER_THREAD
-            bounds = [mOff[cutlass.min(e0 + j, E)] for j in range(SCAN_PER_THREAD + 1)]
-            busy = [
-                Int32((e0 + j < E) & (bounds[j + 1] > bounds[j])) for j in range(SCAN_PER_THREAD)
-            ]
-            mine = busy[0]
-            for j in cutlass.range_constexpr(1, SCAN_PER_THREAD):
-                mine = mine + busy[j]
-            before, total = cta_prefix_count(mine, sScan, WARPS)
-            rank = base + before
-            for j in cutlass.range_constexpr(SCAN_PER_THREAD):
-                if busy[j] != 0:
-                    if rank == slot:
-                        sScan[W] = e0 + j
-                        sScan[W + 1] = bounds[j]
-                        sScan[W + 2] = bounds[j + 1] - bounds[j]
-                    rank = rank + 1
-            base = base + total
-            cute.arch.sync_threads()  # the warp totals are read before the next round
 
     @cute.jit
     def pass_epilogue(self, acc, scale, mOut, mWs, sOut, splits, p, row_begin, left, cta_col, t):
