@@ -229,7 +229,7 @@ _CLUSTER_SPLITS = (2,)  # kernels.grouped_gemv.CLUSTER_SPLITS
 # MiB), DeepSeek-V2-Lite k = 4 21.8 / 24.3; T = 2 DeepSeek k = 4 30.9 / 44.3, GLM k = 3
 # 27.4 / 36.8.
 _TABLE_MIN_BYTES = 10 << 20
-_TABLE_CTAS_PER_SM = 2  # GroupedGemvKernel(table=True).min_ctas_per_sm on sm_90 and sm_80
+_TABLE_CTAS_PER_SM = 2  # GroupedGemvKernel(table=True).min_ctas_per_sm on sm_90 (sm_80: 1)
 _GRID_TABLE: bool | None = None  # tuning: force the table on or off (None: the rule)
 
 
@@ -448,11 +448,9 @@ def _launch_gemm(gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, 
     full = out if not gate_up else torch.empty(R, N, device=A.device, dtype=A.dtype)
     if slots > 0:
         fn(A, packed, absmax, codebook, scale, offsets, full, R, N, K, E, slots)
-    if gate_up:
-        inter = N // 2
-        g, u = full[:, :inter].float(), full[:, inter:].float()
-        torch.mul(torch.nn.functional.silu(g), u, out=g)
-        out.copy_(g)
+    if gate_up:  # one fp32 temporary: SiLU(g) in place, times u, rounded into out
+        g = full[:, : N // 2].float()
+        torch.mul(torch.nn.functional.silu(g, inplace=True), full[:, N // 2 :], out=out)
 
 
 def _grouped(
