@@ -17,7 +17,8 @@ count, since a token picks an expert at most once. The kernel for large launches
 the bound come out as NaN, never silently wrong. Launches with 16 or more busy experts at
 k <= 4 (``GroupedStreamKernel``, stream-K over every SM) do not need the bound, nor do
 launches of 16 or more rows per busy expert on average (prefill), which run
-``GroupedGemmKernel``: the dense GEMM's mma tiles of 64 rows per (expert, M tile) work item.
+``GroupedGemmKernel``: the dense GEMM's mma tiles of 64 rows per (expert, M tile) work item
+(gate/up: SiLU(g) * u in its epilogue).
 
 ``overlap=True`` (H100 and later) lets a launch find its experts and prefetch their weights
 while the kernel before it on the stream still runs; it reads ``A`` and writes ``out`` only
@@ -431,26 +432,22 @@ def _launch_stream(
 
 
 def _launch_gemm(gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, out, E):
-    """``GroupedGemmKernel``: (expert M tile, N tile) work items; gate/up's SiLU(g) * u
-    (fp32, rounded once) is applied after it, in torch."""
+    """``GroupedGemmKernel``: (expert M tile, N tile) work items; gate/up with SiLU(g) * u in
+    its epilogue."""
     if N % 8:
         raise ValueError(f"the grouped GEMM needs N % 8 == 0, got N={N}")
-    key = ("gemm", k, A.dtype)
+    key = ("gemm", k, A.dtype, gate_up)
     entry = _launchers.get(key)
     if entry is None:
         from .kernels.grouped_gemm import CONFIG, grouped_gemm_spec
 
-        spec = grouped_gemm_spec(k, _GEMV_DTYPES[A.dtype], CONFIG)
+        spec = grouped_gemm_spec(k, _GEMV_DTYPES[A.dtype], CONFIG, gate_up)
         entry = _launchers[key] = (launcher(spec), CONFIG.tile_m)
     fn, tile_m = entry
     R = A.shape[0]
     slots = min(E, R) + R // tile_m  # >= the sum over experts of ceil(rows / tile_m)
-    full = out if not gate_up else torch.empty(R, N, device=A.device, dtype=A.dtype)
     if slots > 0:
-        fn(A, packed, absmax, codebook, scale, offsets, full, R, N, K, E, slots)
-    if gate_up:  # one fp32 temporary: SiLU(g) in place, times u, rounded into out
-        g = full[:, : N // 2].float()
-        torch.mul(torch.nn.functional.silu(g, inplace=True), full[:, N // 2 :], out=out)
+        fn(A, packed, absmax, codebook, scale, offsets, out, R, N, K, E, slots)
 
 
 def _grouped(

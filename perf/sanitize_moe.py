@@ -17,10 +17,12 @@ from perf.moe_kernel_check import random_routing
 
 def main() -> None:
     E, top_k, H, inter = 16, 4, 320, 192  # K = 320: a partial K tile
+    wide = 256  # gate/up of whole repack tiles (I = 192: the up half tiles start mid-tile)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for k in (2, 3, 4, 5):
         gate_up = quantize_experts(torch.randn(E, 2 * inter, H, device="cuda"), k)
         down = quantize_experts(torch.randn(E, H, inter, device="cuda"), k)
+        gate_up_wide = quantize_experts(torch.randn(E, 2 * wide, H, device="cuda"), k)
         for T, crowd, dtype in ((1, False, torch.float16), (20, True, torch.bfloat16)):
             order, offsets = sort_by_expert(random_routing(T, E, top_k, gen, crowd), E)
             A = torch.randn(T, H, device="cuda", dtype=dtype)[order // top_k]
@@ -44,8 +46,11 @@ def main() -> None:
             for overlap in (False, True):
                 _grouped(True, A, gate_up, offsets, h, T, overlap=overlap, kernel="stream")
                 _grouped(False, h, down, offsets, y, T, overlap=overlap, kernel="stream")
-            # GroupedGemmKernel: M tiles of one row (T = 1) and of a crowded expert (T = 20)
+            # GroupedGemmKernel: M tiles of one row (T = 1) and of a crowded expert (T = 20);
+            # gate/up with I = 192 and I = 256
             _grouped(True, A, gate_up, offsets, h, T, kernel="gemm")
+            h_wide = torch.empty(T * top_k, wide, device="cuda", dtype=dtype)
+            _grouped(True, A, gate_up_wide, offsets, h_wide, T, kernel="gemm")
             _grouped(False, h, down, offsets, y, T, kernel="gemm")
     torch.cuda.synchronize()
     print("sanitize_moe: done")

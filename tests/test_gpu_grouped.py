@@ -158,6 +158,14 @@ def test_max_rows_per_expert_given_or_not(T, bound, gen, bank, kernel):
     check_both_ops(*CONFIGS["e64"], 4, T, torch.float16, "hot", gen, bank, bound=bound)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", (2, 5))
+def test_gate_up_width_of_odd_half_tiles(k, dtype, gen, bank, kernel):
+    """I = 192 (three 64-column halves of a repack tile): the up columns start in the middle
+    of one (the grouped GEMM gathers gate and up half tiles of other positions)."""
+    check_both_ops(64, 6, 256, 192, k, 64, dtype, "random", gen, bank)
+
+
 QWEN_CASES = [(T, 4, d) for T in (1, 4, 16, 64) for d in DTYPES]
 QWEN_CASES += [(16, k, torch.bfloat16) for k in (2, 3, 5)]
 

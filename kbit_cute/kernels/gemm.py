@@ -552,15 +552,14 @@ class GemmKernel:
         for rk in cutlass.range_constexpr(self.rk_n):
             for rn in cutlass.range_constexpr(self.rn_n):
                 kt64 = kt * self.rk_n + rk
-                nt = n_cta * self.rn_n + rn
-                if kt64 < k_tiles64 and nt < n_tiles128:
-                    tile = kt64 * n_tiles128 + nt
+                if kt64 < k_tiles64 and self.has_repack_tile(n_cta, rn, n_tiles128):
                     r = rk * self.rn_n + rn
                     w_dst = stage * (plan["w_stage"] // 4) + r * self.tile_words
                     for i in cutlass.range_constexpr(self.w_copy_passes()):
                         w, active = self.w_copy_plan(tidx, i)
                         if active:
-                            src = pPacked + cute.assume(tile * self.tile_words + w, divby=4)
+                            src = self.repack_src(kt64, n_cta, rn, n_tiles128, w, self.tile_words)
+                            src = pPacked + cute.assume(src, divby=4)
                             dst = sW + cute.assume(w_dst + w, divby=4)
                             cute.copy(
                                 g2s_w,
@@ -569,7 +568,8 @@ class GemmKernel:
                             )
                     b, active = self.absmax_copy_plan(tidx)
                     if active:
-                        src = pAbsmax + cute.assume(tile * _TILE_ABSMAX + b, divby=16)
+                        src = self.repack_src(kt64, n_cta, rn, n_tiles128, b, _TILE_ABSMAX)
+                        src = pAbsmax + cute.assume(src, divby=16)
                         dst = sS + cute.assume(
                             stage * plan["s_stage"] + r * _TILE_ABSMAX + b, divby=16
                         )
@@ -582,6 +582,18 @@ class GemmKernel:
                                 cute.recast_ptr(dst, dtype=Int32), cute.make_layout(4)
                             ),
                         )
+
+    # Where the CTA's repack tiles come from: its TILE_N / 128 repack n-tiles side by side
+    # (a subclass may gather other columns: the grouped GEMM's fused gate/up).
+
+    def has_repack_tile(self, n_cta, rn, n_tiles128):
+        """Whether the CTA's repack tile ``rn`` lies inside the (padded) weight."""
+        return n_cta * self.rn_n + rn < n_tiles128
+
+    def repack_src(self, kt64, n_cta, rn, n_tiles128, off, per_tile):
+        """Source offset of element ``off`` (a word or an absmax byte, ``per_tile`` of them
+        per repack tile) of the CTA's repack tile ``rn`` at repack k-tile ``kt64``."""
+        return (kt64 * n_tiles128 + n_cta * self.rn_n + rn) * per_tile + off
 
     @cute.jit
     def load_b_rk(self, sW, sS, rP, rS, stage, rk, col0):
@@ -712,7 +724,6 @@ class GemmKernel:
     def store_tile(self, thr_mma, tCrC, base_u8, pScale, pBias, pOut, M, N, has_bias, m_cta, n_cta):
         """acc x scale (+ bias) -> dtype -> shared tile -> 16-byte coalesced global stores."""
         cfg = self.cfg
-        tidx, _, _ = cute.arch.thread_idx()
         m0, n0 = m_cta * cfg.tile_m, n_cta * cfg.tile_n
         sC = cute.make_tensor(cute.recast_ptr(base_u8, dtype=self.dtype), self.c_smem_layout())
         tCsC = thr_mma.partition_C(sC)
@@ -727,8 +738,16 @@ class GemmKernel:
             tCrD[v] = self.dtype(r)
         cute.autovec_copy(tCrD, tCsC)
         cute.arch.sync_threads()
+        self.copy_out(sC, pOut, M, N, m0, n0, cfg.tile_n)
+
+    @cute.jit
+    def copy_out(self, sC, pOut, M, N, m0, n0, cols: cutlass.Constexpr):
+        """The first ``cols`` columns of the staged tile ``sC`` to rows m0.. and columns n0..
+        of the (M, N) output: 16-byte coalesced stores, element stores at a ragged edge."""
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
         mOut = cute.make_tensor(pOut, cute.make_layout((M, N), stride=(N, 1)))
-        chunks_row = cfg.tile_n // 8
+        chunks_row = cols // 8
         chunks = cfg.tile_m * chunks_row
         vec_ok = N % 8 == 0
         for i in cutlass.range_constexpr((chunks + self.threads - 1) // self.threads):

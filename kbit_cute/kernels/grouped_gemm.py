@@ -15,6 +15,13 @@ ldmatrix, dequant in registers, mma.sync) on work items (M tile of one expert, N
 * The tile is the dense GEMM's with A, the output and the weights moved to the expert: M =
   the expert's rows (rows past them are neither copied nor stored), its own scale, no bias,
   no split-K (prefill launches have tiles enough to fill the SMs).
+* gate_up (fused SiLU(g) * u): a CTA's repack tile is gathered from two half tiles, the
+  expert's gate columns 64 n.. (its first 64 columns) and the matching up columns I + 64 n..
+  (the last 64): a repack tile stores column after column ([col][kb][bit] words, [col][kb]
+  absmax bytes), so each half is one contiguous run. Every thread then holds the gate and
+  the up accumulators of the same output columns (n8 tiles j and j + NJ / 2) and the
+  epilogue writes SiLU(g) * u, rounded once, to the [R, I] output. I must be a multiple of
+  64 (moe_gate_up's rule).
 """
 
 from __future__ import annotations
@@ -27,12 +34,36 @@ from cutlass.memory import SmemAllocator
 
 from ..format import TILE_K, TILE_N
 from .gemm import _DTYPES, GemmConfig, GemmKernel
-from .grouped_gemv import find_work_slot
+from .grouped_gemv import find_work_slot, silu_times
 
 
 class GroupedGemmKernel(GemmKernel):
     """``GemmKernel`` over (expert M tile, N tile) work items. Compile-time config: bits
-    ``k``, dtype name, ``GemmConfig`` (``splits`` is always 1)."""
+    ``k``, dtype name, ``GemmConfig`` (``splits`` is always 1; gate_up: tile_n = 128),
+    ``gate_up`` (fused SiLU(g) * u)."""
+
+    def __init__(self, k: int, dtype: str, config: GemmConfig, gate_up: bool = False):
+        super().__init__(k, dtype, config)
+        if gate_up and config.tile_n != TILE_N:
+            raise ValueError(f"a gate_up GroupedGemmKernel needs tile_n=128, got {config.name}")
+        self.gate_up = gate_up
+        self.out_cols = config.tile_n // 2 if gate_up else config.tile_n  # per CTA
+
+    def has_repack_tile(self, n_cta, rn, n_tiles128):
+        if self.gate_up:  # the host launches I / 64 = n_tiles128 column CTAs
+            return n_cta < n_tiles128
+        return super().has_repack_tile(n_cta, rn, n_tiles128)
+
+    def repack_src(self, kt64, n_cta, rn, n_tiles128, off, per_tile):
+        """gate_up: the first half of the tile from gate half tile ``n_cta`` (64 columns), the
+        second from up half tile I / 64 + n_cta (I / 64 = n_tiles128 for N = 2 I)."""
+        if not self.gate_up:
+            return super().repack_src(kt64, n_cta, rn, n_tiles128, off, per_tile)
+        half = per_tile // 2
+        up = Int32(off >= half)
+        half_tile = n_cta + up * n_tiles128
+        tile = kt64 * n_tiles128 + half_tile // 2
+        return tile * per_tile + (half_tile % 2) * half + off - up * half
 
     @cute.jit
     def __call__(
@@ -43,18 +74,23 @@ class GroupedGemmKernel(GemmKernel):
         pCodebook: cute.Pointer,  # fp32 (2^k,)
         pScale: cute.Pointer,  # fp32 (E,) per-expert scale
         pOffsets: cute.Pointer,  # int32 (E + 1,) row ranges
-        pOut: cute.Pointer,  # (R, N) row-major
+        pOut: cute.Pointer,  # (R, N) row-major; gate_up: (R, N / 2)
         R: Int32,
-        N: Int32,
+        N: Int32,  # the weight's rows (gate_up: gate and up)
         K: Int32,  # a multiple of 32
         E: Int32,
         slots: Int32,  # bound on the (expert, M tile) work slots
         stream: cuda.CUstream,
     ):
-        n_ctas = (N + self.cfg.tile_n - 1) // self.cfg.tile_n
+        n_out = N // 2 if self.gate_up else N
+        n_ctas = (n_out + self.out_cols - 1) // self.out_cols
         mOff = cute.make_tensor(pOffsets, cute.make_layout(E + 1))
         self.kernel(pA, pPacked, pAbsmax, pCodebook, pScale, mOff, pOut, R, N, K).launch(
-            grid=[slots, n_ctas, 1], block=[self.threads, 1, 1], stream=stream
+            grid=[slots, n_ctas, 1],
+            block=[self.threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=_MIN_CTAS_PER_SM,
+            preferred_smem_carveout=-1,
         )
 
     @cute.kernel
@@ -93,7 +129,8 @@ class GroupedGemmKernel(GemmKernel):
             w_first = cute.assume(Int64(expert) * absmax_bytes * self.k, divby=TILE_N)
             s_first = cute.assume(Int64(expert) * absmax_bytes, divby=TILE_N)
             a_first = cute.assume(Int64(row_begin) * Int64(K), divby=32)
-            o_first = cute.assume(Int64(row_begin) * Int64(N), divby=8)  # (the host: N % 8 == 0)
+            n_out = N // 2 if self.gate_up else N
+            o_first = cute.assume(Int64(row_begin) * Int64(n_out), divby=8)  # (host: N % 8 == 0)
             # (no bias, no split-K: the bias, workspace and counter pointers are not read)
             self.tile(
                 base_u8, pA + a_first, pPacked + w_first, pAbsmax + s_first, pCodebook,
@@ -101,9 +138,31 @@ class GroupedGemmKernel(GemmKernel):
                 1, 0, 0, m_tile, n_cta, 0, 1,
             )  # fmt: skip
 
+    @cute.jit
+    def store_tile(self, thr_mma, tCrC, base_u8, pScale, pBias, pOut, M, N, has_bias, m_cta, n_cta):
+        """gate_up: SiLU(g x scale) * (u x scale) -> dtype -> shared tile -> the coalesced
+        stores of (M, N / 2) columns n_cta * 128..; otherwise the dense GEMM's store."""
+        if cutlass.const_expr(not self.gate_up):
+            GemmKernel.store_tile(
+                self, thr_mma, tCrC, base_u8, pScale, pBias, pOut, M, N, has_bias, m_cta, n_cta
+            )
+        else:
+            cfg = self.cfg
+            sC = cute.make_tensor(cute.recast_ptr(base_u8, dtype=self.dtype), self.c_smem_layout())
+            tCsC = thr_mma.partition_C(sC)  # (4, MI, NJ) like tCrC: NJ outermost
+            scale = cute.make_tensor(pScale, cute.make_layout(1))[0]
+            half = cute.size(tCrC) // 2  # n8 tiles j < NJ / 2: gate columns; + half: up
+            for v in cutlass.range_constexpr(half):
+                tCsC[v] = self.dtype(silu_times(tCrC[v] * scale, tCrC[v + half] * scale))
+            cute.arch.sync_threads()
+            self.copy_out(
+                sC, pOut, M, N // 2, m_cta * cfg.tile_m, n_cta * self.out_cols, self.out_cols
+            )
 
-def grouped_gemm_spec(k: int, dtype: str, config: GemmConfig):
-    """The compiled variant of ``GroupedGemmKernel`` (bits, dtype name, tiling)."""
+
+def grouped_gemm_spec(k: int, dtype: str, config: GemmConfig, gate_up: bool = False):
+    """The compiled variant of ``GroupedGemmKernel`` (bits, dtype name, tiling, fused
+    gate/up)."""
     from ..compile import KernelSpec, fake_ptr, fake_stream
 
     def build():
@@ -114,16 +173,24 @@ def grouped_gemm_spec(k: int, dtype: str, config: GemmConfig):
             fake_ptr(cutlass.Int32, 4), fake_ptr(dt),
             Int32(5), Int32(128), Int32(64), Int32(1), Int32(1), fake_stream(),
         )  # fmt: skip
-        return GroupedGemmKernel(k, dtype, config), args
+        return GroupedGemmKernel(k, dtype, config, gate_up), args
 
-    return KernelSpec(
-        f"grouped_gemm_k{k}_{dtype}_{config.name}", build, expect=("HMMA", "LDGSTS", "LDSM")
-    )
+    name = f"grouped_gemm{'_gate_up' if gate_up else ''}_k{k}_{dtype}_{config.name}"
+    return KernelSpec(name, build, expect=("HMMA", "LDGSTS", "LDSM"))
 
 
-# The tiling of the grouped GEMM (the dense dispatch table's M = 64 row on large weights).
+# The tiling of the grouped GEMM, gate/up and down (the dense dispatch table's M = 64 row on
+# large weights).
+# Registers capped for 3 CTAs (12 warps) per SM: the fused gate/up had grown to 189 registers
+# at k = 4 (2 CTAs); at <= 168 no variant spills (compile-only, sm_90a).
+_MIN_CTAS_PER_SM = 3
 CONFIG = GemmConfig(tile_m=64, tile_n=128, tile_k=64, stages=4, warps_m=1, warps_n=4)
 
 
 def specs():
-    return [grouped_gemm_spec(k, d, CONFIG) for k in (2, 3, 4, 5) for d in _DTYPES]
+    return [
+        grouped_gemm_spec(k, d, CONFIG, g)
+        for k in (2, 3, 4, 5)
+        for d in _DTYPES
+        for g in (False, True)
+    ]
