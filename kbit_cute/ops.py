@@ -243,11 +243,31 @@ def gemv_splits(N: int, K: int, sm_count: int) -> int:
     partials per lane per round (``kernels.gemv.REDUCE_LOADS``): halving the splits at M = 4
     measured slower (``--workers auto s4 s8 s16``: 2048x2048 7.0 vs 6.0 us, 14336x4096 k = 4
     17.9 vs 17.1); at M = 8 this rule was within noise of the best fixed count on six shapes.
+    Refined from a sweep of 1, 2, 4, 8 and 16 splits on 16 smaller shapes (2026-11-23, us at
+    M = 1, k = 2 / 4 / 5, the earlier rule -> this one): a split's reduction costs about a
+    microsecond, so K of <= 4 tiles is not split (256x2048 4.9-5.1 with 2 splits against
+    3.7-3.9); short K (<= 8 tiles) or few columns (<= 4 tiles) take runs of 2 tiles
+    (2048x512 5.80 / 5.64 / 5.94 -> 5.13 / 5.05 / 4.94, 512x2048 5.64 / 5.47 / 5.82 -> 5.08 /
+    4.86 / 4.96, 512x4096 5.64 / 5.54 / 5.89 -> 5.20 / 5.10 / 5.31); many columns over K <= 32
+    tiles take 4 splits, not 2 (2048x8192 9.62 / 10.09 / 12.61 -> 7.86 / 8.53 / 10.75,
+    2048x12288 10.43 / 11.66 / 15.74 -> 8.75 / 9.80 / 12.48, 1024x8192 7.04 / 7.12 / 8.15 ->
+    6.31 / 6.64 / 7.54). In the model (``python -m perf decode --model qwen3-coder-next``,
+    alternating with the earlier rule) the linears of a k = 4 step took 2.6% less time.
     """
     n_tiles = -(-N // 128)
     k_tiles = -(-K // 64)
-    min_kt = 16 if n_tiles >= 64 else 4
-    want = min(-(-6 * sm_count // n_tiles), k_tiles // min_kt, 16)
+    if k_tiles <= 4:
+        return 1
+    max_splits = 16
+    if n_tiles >= 64:
+        if k_tiles < 16:
+            return 1  # (unmeasured: the earlier rule's value)
+        min_kt, max_splits = (16, 16) if k_tiles > 32 else (4, 4)
+    elif n_tiles <= 4 or k_tiles <= 8:
+        min_kt = 2
+    else:
+        min_kt = 4
+    want = min(-(-6 * sm_count // n_tiles), k_tiles // min_kt, max_splits)
     return 1 << (max(want, 1).bit_length() - 1)
 
 

@@ -407,3 +407,21 @@ def test_kbit_linear_takes_the_hot_path(fake_gpu, gen):
             assert q(x).shape == (1, 1, 64)
             (args,) = calls
             assert args[5] == q.bias.data_ptr() and args[13] == 1
+
+
+@pytest.mark.parametrize(
+    "K,N,splits",
+    [
+        (256, 2048, 1),  # K of 4 tiles: no split
+        (512, 2048, 4),  # short K: runs of 2 tiles
+        (2048, 512, 16),  # few columns: runs of 2 tiles
+        (2048, 2048, 8),
+        (2048, 8192, 4),  # many columns, K <= 32 tiles: 4 splits
+        (8192, 28672, 4),  # many columns, long K: runs of >= 16 tiles, ~6 runs per SM
+        (4096, 14336, 4),
+        (14336, 4096, 16),
+    ],
+)
+def test_gemv_splits_rule(K, N, splits):
+    """The measured split rule of the GEMV (``ops.gemv_splits``) on a 132-SM H100."""
+    assert ops.gemv_splits(N, K, 132) == splits
