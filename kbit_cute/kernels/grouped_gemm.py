@@ -141,7 +141,7 @@ class GroupedGemmKernel(GemmKernel):
     @cute.jit
     def store_tile(self, thr_mma, tCrC, base_u8, pScale, pBias, pOut, M, N, has_bias, m_cta, n_cta):
         """gate_up: SiLU(g x scale) * (u x scale) -> dtype -> shared tile -> the coalesced
-        stores of (M, N / 2) columns n_cta * 128..; otherwise the dense GEMM's store."""
+        stores of (M, N / 2) columns 64 n_cta..; otherwise the dense GEMM's store."""
         if cutlass.const_expr(not self.gate_up):
             GemmKernel.store_tile(
                 self, thr_mma, tCrC, base_u8, pScale, pBias, pOut, M, N, has_bias, m_cta, n_cta
@@ -179,11 +179,11 @@ def grouped_gemm_spec(k: int, dtype: str, config: GemmConfig, gate_up: bool = Fa
     return KernelSpec(name, build, expect=("HMMA", "LDGSTS", "LDSM"))
 
 
-# The tiling of the grouped GEMM, gate/up and down (the dense dispatch table's M = 64 row on
-# large weights).
 # Registers capped for 3 CTAs (12 warps) per SM: the fused gate/up had grown to 189 registers
 # at k = 4 (2 CTAs); at <= 168 no variant spills (compile-only, sm_90a).
 _MIN_CTAS_PER_SM = 3
+# The tiling of the grouped GEMM, gate/up and down (the dense dispatch table's M = 64 row on
+# large weights).
 CONFIG = GemmConfig(tile_m=64, tile_n=128, tile_k=64, stages=4, warps_m=1, warps_n=4)
 
 
