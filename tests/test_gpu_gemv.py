@@ -1,5 +1,7 @@
 """GEMV (M <= 8) on the GPU against the float32 reference of the dequantized weight."""
 
+import os
+
 import pytest
 import torch
 
@@ -134,3 +136,31 @@ def test_gemv_pair_table_option(k, workers, dtype, weights):
     assert not torch.isnan(out).any()
     assert rel_err(out, reference(A, qw)) < TOL[dtype]
     assert not gemv_kernel_check._counters.any(), "split-K counters must be left at zero"
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_gemv_table_follows_the_codebook_the_kernel_before_wrote(k):
+    """The GEMV may launch while the kernel before it still runs (programmatic dependent
+    launch) and must not read the codebook before waiting for it: here the kernel before is
+    another GEMV whose output is this weight's codebook (bf16 pairs read as fp32), new values
+    on every round."""
+    g = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
+    K2, N2, K1 = 2048, 1000, 256
+    qw2 = kbit_cute.quantize(torch.randn(N2, K2, device="cuda", generator=g) * 0.05, k)
+    A2 = torch.randn(3, K2, device="cuda", dtype=torch.bfloat16, generator=g)
+    kbit_cute.gemm(A2, qw2)  # plan and load the variant
+    # The first GEMV writes 2 x 2^k bf16 outputs over the 2^k fp32 entries: rows of one
+    # positive value each, so every output (and every fp32 entry) is finite and distinct.
+    values = 0.5 + torch.arange(2 << k, device="cuda", dtype=torch.float32) / (2 << k)
+    qw1 = kbit_cute.quantize(values[:, None].expand(-1, K1) / K1, k)
+    cb_as_bf16 = qw2.codebook.view(torch.bfloat16).view(1, 2 << k)
+    for r in range(4):
+        A1 = torch.full((1, K1), 1.0 + r, device="cuda", dtype=torch.bfloat16)
+        before = qw2.codebook.clone()
+        kbit_cute.gemm(A1, qw1, out=cb_as_bf16)
+        out = torch.full((3, N2), float("nan"), device="cuda", dtype=torch.bfloat16)
+        kbit_cute.gemm(A2, qw2, out=out)
+        torch.cuda.synchronize()
+        assert not torch.equal(before, qw2.codebook), "the first GEMV did not change the codebook"
+        assert torch.isfinite(qw2.codebook).all()
+        assert rel_err(out, reference(A2, qw2)) < TOL[torch.bfloat16]
