@@ -246,7 +246,8 @@ def gemv_splits(N: int, K: int, sm_count: int) -> int:
     Refined from a sweep of 1, 2, 4, 8 and 16 splits on 16 smaller shapes (2026-11-23, us at
     M = 1, k = 2 / 4 / 5, the earlier rule -> this one): a split's reduction costs about a
     microsecond, so K of <= 4 tiles is not split (256x2048 4.9-5.1 with 2 splits against
-    3.7-3.9); short K (<= 8 tiles) or few columns (<= 4 tiles) take runs of 2 tiles
+    3.7-3.9); short K (<= 8 tiles; with >= 64 column tiles K < 16 tiles stays unsplit, not
+    measured) or few columns (<= 4 tiles) take runs of 2 tiles
     (2048x512 5.80 / 5.64 / 5.94 -> 5.13 / 5.05 / 4.94, 512x2048 5.64 / 5.47 / 5.82 -> 5.08 /
     4.86 / 4.96, 512x4096 5.64 / 5.54 / 5.89 -> 5.20 / 5.10 / 5.31); many columns over K <= 32
     tiles take 4 splits, not 2 (2048x8192 9.62 / 10.09 / 12.61 -> 7.86 / 8.53 / 10.75,

@@ -140,11 +140,14 @@ def test_gemv_pair_table_option(k, workers, dtype, weights):
 
 @pytest.mark.parametrize("k", [2, 3, 4])
 def test_gemv_table_follows_the_codebook_the_kernel_before_wrote(k):
-    """The GEMV may launch while the kernel before it still runs (programmatic dependent
-    launch) and must not read the codebook before waiting for it: here the kernel before is
-    another GEMV whose output is this weight's codebook (bf16 pairs read as fp32), new values
-    on every round."""
-    g = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
+    """A codebook rewritten by the kernel just before, on the same stream: another GEMV
+    whose output is this weight's codebook (bf16 pairs read as fp32), new values every
+    round. (The GEMV may launch while that kernel still runs, programmatic dependent launch;
+    it reads the codebook only after waiting for it. A read before the wait would rarely
+    lose the race here, so this is a correctness check, not proof of the order.)"""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed={seed}")
+    g = torch.Generator(device="cuda").manual_seed(seed)
     K2, N2, K1 = 2048, 1000, 256
     qw2 = kbit_cute.quantize(torch.randn(N2, K2, device="cuda", generator=g) * 0.05, k)
     A2 = torch.randn(3, K2, device="cuda", dtype=torch.bfloat16, generator=g)

@@ -161,8 +161,8 @@ def test_max_rows_per_expert_given_or_not(T, bound, gen, bank, kernel):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", (2, 5))
 def test_gate_up_width_of_odd_half_tiles(k, dtype, gen, bank, kernel):
-    """I = 192 (three 64-column halves of a repack tile): the up columns start in the middle
-    of one (the grouped GEMM gathers gate and up half tiles of other positions)."""
+    """I = 192 (three half tiles, 1.5 repack tiles): the up columns start in the middle of a
+    repack tile (the grouped GEMM gathers gate and up half tiles of other positions)."""
     check_both_ops(64, 6, 256, 192, k, 64, dtype, "random", gen, bank)
 
 

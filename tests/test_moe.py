@@ -535,3 +535,33 @@ def test_choose_kernel_by_rows_per_expert(R, E, N, want):
     from kbit_cute.grouped_ops import _choose_kernel, stream_slots
 
     assert _choose_kernel(4, stream_slots(R, E), min(E, R), R, N) == want
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+@pytest.mark.parametrize("inter", [64, 128, 192, 320])
+def test_gate_up_source_gathers_gate_and_up_half_tiles(k, inter):
+    """The fused gate/up GEMM's sources (``grouped_gemm.gate_up_source``): staged column
+    c < 64 of column CTA n is gate column 64 n + c, staged column 64 + c is up column
+    I + 64 n + c, for every word and absmax byte (the format's own offset formulas;
+    I % 128 = 64 puts the up halves mid-tile)."""
+    from kbit_cute.format import tiled_absmax_offset, tiled_word_offset
+    from kbit_cute.kernels.grouped_gemm import gate_up_source
+
+    K, N = 192, 2 * inter  # 3 repack k-tiles
+    n_tiles128 = -(-N // 128)
+    words, absmax = 128 * 2 * k, 128 * 2  # per repack tile: [col][kb][bit], [col][kb]
+    for kt64 in range(K // 64):
+        for n_cta in range(inter // 64):
+            for per_tile, per_col in ((words, 2 * k), (absmax, 2)):
+                off = torch.arange(per_tile)
+                up = (off >= per_tile // 2).long()
+                staged = off // per_col  # staged column 0..127
+                gate = 64 * n_cta + staged
+                col = torch.where(staged < 64, gate, inter + gate - 64)
+                kb = 2 * kt64 + (off % per_col) // (per_col // 2)
+                if per_tile == words:
+                    want = tiled_word_offset(col, kb, off % k, K, N, k)
+                else:
+                    want = tiled_absmax_offset(col, kb, K, N)
+                got = gate_up_source(kt64, n_cta, n_tiles128, off, per_tile, up)
+                assert torch.equal(got, want), (per_tile, kt64, n_cta)

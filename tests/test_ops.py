@@ -414,6 +414,7 @@ def test_kbit_linear_takes_the_hot_path(fake_gpu, gen):
     [
         (256, 2048, 1),  # K of 4 tiles: no split
         (512, 2048, 4),  # short K: runs of 2 tiles
+        (512, 8192, 1),  # short K, many columns: unsplit
         (2048, 512, 16),  # few columns: runs of 2 tiles
         (2048, 2048, 8),
         (2048, 8192, 4),  # many columns, K <= 32 tiles: 4 splits

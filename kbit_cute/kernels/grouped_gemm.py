@@ -37,6 +37,17 @@ from .gemm import _DTYPES, GemmConfig, GemmKernel
 from .grouped_gemv import find_work_slot, silu_times
 
 
+def gate_up_source(kt64, n_cta, n_tiles128, off, per_tile, up):
+    """Source offset of element ``off`` (a word or an absmax byte, ``per_tile`` of them per
+    repack tile) of a fused gate/up CTA's repack tile at repack k-tile ``kt64``: the first
+    half from gate half tile ``n_cta`` (64 columns), the second (``up`` = 1) from up half tile
+    I / 64 + n_cta (I / 64 = n_tiles128 for N = 2 I). Kernel values or Python ints."""
+    half = per_tile // 2
+    half_tile = n_cta + up * n_tiles128
+    tile = kt64 * n_tiles128 + half_tile // 2
+    return tile * per_tile + (half_tile % 2) * half + off - up * half
+
+
 class GroupedGemmKernel(GemmKernel):
     """``GemmKernel`` over (expert M tile, N tile) work items. Compile-time config: bits
     ``k``, dtype name, ``GemmConfig`` (``splits`` is always 1; gate_up: tile_n = 128),
@@ -55,15 +66,10 @@ class GroupedGemmKernel(GemmKernel):
         return super().has_repack_tile(n_cta, rn, n_tiles128)
 
     def repack_src(self, kt64, n_cta, rn, n_tiles128, off, per_tile):
-        """gate_up: the first half of the tile from gate half tile ``n_cta`` (64 columns), the
-        second from up half tile I / 64 + n_cta (I / 64 = n_tiles128 for N = 2 I)."""
         if not self.gate_up:
             return super().repack_src(kt64, n_cta, rn, n_tiles128, off, per_tile)
-        half = per_tile // 2
-        up = Int32(off >= half)
-        half_tile = n_cta + up * n_tiles128
-        tile = kt64 * n_tiles128 + half_tile // 2
-        return tile * per_tile + (half_tile % 2) * half + off - up * half
+        up = Int32(off >= per_tile // 2)
+        return gate_up_source(kt64, n_cta, n_tiles128, off, per_tile, up)
 
     @cute.jit
     def __call__(
