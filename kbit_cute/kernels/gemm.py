@@ -248,14 +248,17 @@ class GemmKernel:
     ):
         m_cta, n_cta, split = cute.arch.block_idx()
         m_ctas = (M + self.cfg.tile_m - 1) // self.cfg.tile_m
-        smem = SmemAllocator()
-        base_u8 = cute.recast_ptr(
-            smem.allocate(self.plan["total"], byte_alignment=1024), dtype=cutlass.Uint8
-        )
+        base_u8 = self.allocate_tile_smem(SmemAllocator())
         self.tile(
             base_u8, pA, pPacked, pAbsmax, pCodebook, pScale, pBias, pOut, pWorkspace,
             pCounters, M, N, K, splits, has_bias, atomic, m_cta, n_cta, split, m_ctas,
         )  # fmt: skip
+
+    def allocate_tile_smem(self, smem: SmemAllocator):
+        """The shared memory ``tile`` works in (``plan["total"]`` bytes), as bytes."""
+        return cute.recast_ptr(
+            smem.allocate(self.plan["total"], byte_alignment=1024), dtype=cutlass.Uint8
+        )
 
     @cute.jit
     def tile(

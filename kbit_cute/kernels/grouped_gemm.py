@@ -60,6 +60,10 @@ class GroupedGemmKernel(GemmKernel):
         self.gate_up = gate_up
         self.out_cols = config.tile_n // 2 if gate_up else config.tile_n  # per CTA
 
+    def out_width(self, N):
+        """Output columns of a weight of N rows (gate_up: N / 2, SiLU(g) * u)."""
+        return N // 2 if self.gate_up else N
+
     def has_repack_tile(self, n_cta, rn, n_tiles128):
         if self.gate_up:  # the host launches I / 64 = n_tiles128 column CTAs
             return n_cta < n_tiles128
@@ -88,8 +92,7 @@ class GroupedGemmKernel(GemmKernel):
         slots: Int32,  # bound on the (expert, M tile) work slots
         stream: cuda.CUstream,
     ):
-        n_out = N // 2 if self.gate_up else N
-        n_ctas = (n_out + self.out_cols - 1) // self.out_cols
+        n_ctas = (self.out_width(N) + self.out_cols - 1) // self.out_cols
         mOff = cute.make_tensor(pOffsets, cute.make_layout(E + 1))
         self.kernel(pA, pPacked, pAbsmax, pCodebook, pScale, mOff, pOut, R, N, K).launch(
             grid=[slots, n_ctas, 1],
@@ -117,9 +120,7 @@ class GroupedGemmKernel(GemmKernel):
         K = cute.assume(K, divby=32)
         warps = self.threads // 32
         smem = SmemAllocator()
-        base_u8 = cute.recast_ptr(
-            smem.allocate(self.plan["total"], byte_alignment=1024), dtype=cutlass.Uint8
-        )
+        base_u8 = self.allocate_tile_smem(smem)
         sScan = smem.allocate_tensor(Int32, cute.make_layout(warps + 4), byte_alignment=4)
         find_work_slot(mOff, slot, sScan, self.threads, self.cfg.tile_m)
         expert = sScan[warps]
@@ -135,7 +136,7 @@ class GroupedGemmKernel(GemmKernel):
             w_first = cute.assume(Int64(expert) * absmax_bytes * self.k, divby=TILE_N)
             s_first = cute.assume(Int64(expert) * absmax_bytes, divby=TILE_N)
             a_first = cute.assume(Int64(row_begin) * Int64(K), divby=32)
-            n_out = N // 2 if self.gate_up else N
+            n_out = self.out_width(N)
             o_first = cute.assume(Int64(row_begin) * Int64(n_out), divby=8)  # (host: N % 8 == 0)
             # (no bias, no split-K: the bias, workspace and counter pointers are not read)
             self.tile(
@@ -162,7 +163,13 @@ class GroupedGemmKernel(GemmKernel):
                 tCsC[v] = self.dtype(silu_times(tCrC[v] * scale, tCrC[v + half] * scale))
             cute.arch.sync_threads()
             self.copy_out(
-                sC, pOut, M, N // 2, m_cta * cfg.tile_m, n_cta * self.out_cols, self.out_cols
+                sC,
+                pOut,
+                M,
+                self.out_width(N),
+                m_cta * cfg.tile_m,
+                n_cta * self.out_cols,
+                self.out_cols,
             )
 
 
