@@ -465,10 +465,6 @@ def test_grouped_ops_mirrors_the_kernel_constants():
             assert kern.table and kern.min_ctas_per_sm == grouped_ops._TABLE_CTAS_PER_SM
 
 
-def _expert_bytes(N, K, k):
-    return N * K * k // 8 + N * K // 32
-
-
 # (model, T, k) -> (gate_up launch: slots, N = 2 I, K), (stages, table, splits) expected:
 # the decode ring for launches of few experts, the table where the layer's gate_up experts
 # hold >= 10 MiB (k <= 4), K splits as many as CTAs fit the SMs (2 per SM with the table).
@@ -487,15 +483,16 @@ GRID_PLANS = {
 
 @pytest.mark.parametrize("case", GRID_PLANS)
 def test_grid_plan_by_launch_size(case):
+    from kbit_cute.gemm_dispatch import weight_bytes
     from kbit_cute.grouped_ops import grid_plan
 
     (slots, N, K), want = GRID_PLANS[case]
     k = case[2]
     groups = N // 2 // 64
-    plan = grid_plan(k, True, slots, _expert_bytes(N, K, k), groups, K // 64, 132)
+    plan = grid_plan(k, True, slots, weight_bytes(N, K, k), groups, K // 64, 132)
     assert plan == want
     # the layer's down launch (half the bytes per expert) agrees on the ring and the table
-    down = grid_plan(k, False, slots, _expert_bytes(K, N // 2, k), K // 128, N // 2 // 64, 132)
+    down = grid_plan(k, False, slots, weight_bytes(K, N // 2, k), K // 128, N // 2 // 64, 132)
     assert down[:2] == want[:2]
     if case == ("glm-4.7-flash", 1, 4):
         assert down[2] == 4  # 64 items, 24 K tiles: 4 splits of 6 (with the table)
