@@ -63,6 +63,8 @@ from .device_helpers import (
     mul_x2,
     pair_selector,
     planes_to_fields,
+    prefetch_l2,
+    prefetch_line_l2,
     prmt,
     scaled_byte_tables,
     warp_split_arrive,
@@ -128,6 +130,9 @@ class GemvKernel:
     """Compile-time config: bits ``k``, rows bucket ``m`` (1, 2, 4 or 8), activation dtype."""
 
     MAX_QUADS = 7  # quads per CTA sharing a pair table (8, at 64 registers, spilled)
+    # K tiles of each quad's run pulled into L2 while the launch waits for the kernel before
+    # it (table kernels: one CTA per SM, which lands as soon as the one before leaves).
+    PREFETCH_TILES = 4
     # Only the lanes of real activation rows read them (``read_tile``); the others keep
     # zeros, which costs a kernel registers across the K loop (the grouped grid kernel's
     # gate/up spilled): it turns this off.
@@ -204,6 +209,9 @@ class GemvKernel:
         # Programmatic dependent launch (sm_90 on): the launch may start while the kernel
         # before it still runs; ``wait_previous`` before any memory access keeps it safe.
         self.pdl = target_arch_family() == "sm_90"
+        # The prefetch pays where CTAs land early (one per SM); k = 5's small CTAs lost by it
+        # (4096x14336: 25.4 -> 26.5 us).
+        self.prefetch_tiles = self.PREFETCH_TILES if self.table and self.pdl else 0
 
     @staticmethod
     def lookup_fits(lookup: str, k: int) -> bool:
@@ -297,21 +305,41 @@ class GemvKernel:
         # of each row tile; its K run in a tile is block kb = t / 2, half h = t % 2.
         g, t = lane // 4, lane % 4
 
-        # The launch overlaps the previous kernel's tail (programmatic dependent launch).
-        self.wait_previous()
-        smem = SmemAllocator()
-        ctx = self.make_mainloop(smem, pCodebook, t)  # (the pair table syncs the CTA)
-        acc = ctx[-1]
         # Workers interleave over the CTAs, so a grid with idle quads spreads its work over
         # every SM that has a CTA.
         worker = quad * ctas + cta
+        units = n_tiles * k_tiles
+        u_begin = _run_start(worker, units, workers)
+        u_end = _run_start(worker + 1, units, workers)
+        nt_first = u_begin // k_tiles
+        rows = (Int32(0), M)
+        # The launch overlaps the previous kernel's tail (programmatic dependent launch):
+        # pull the first K tiles and the codebook into L2 meanwhile (harmless even if that
+        # kernel writes them: L2 is where writes land), then wait for it.
+        if cutlass.const_expr(self.prefetch_tiles > 0):
+            if warp % WARPS == 0 and worker < workers:
+                self.prefetch_first_tiles(mW, mS, pCodebook, nt_first, u_begin, u_end, k_tiles)
+        self.wait_previous()
+
+        # Table kernels: the first K tiles' copies go out before the pair table is filled,
+        # so that their DRAM latency and the fill overlap (k = 2..4, 2048x512 to 4096x14336:
+        # 0.3-0.7 us less per call with the prefetch above).
+        run = (
+            nt_first,
+            u_begin - nt_first * k_tiles,
+            cutlass.min(u_end - nt_first * k_tiles, k_tiles),
+        )
+
+        def prime(ring):
+            self.prime_first_strip(mA, mW, mS, ring, rows, run, worker < workers)
+
+        smem = SmemAllocator()
+        # (the pair table syncs the CTA)
+        ctx = self.make_mainloop(smem, pCodebook, t, prime if self.table else None)
+        acc = ctx[-1]
         if worker < workers:
             scale = cute.make_tensor(pScale, cute.make_layout(1))[0]
             mBias = cute.make_tensor(pBias, cute.make_layout(mOut.shape[1]))
-            units = n_tiles * k_tiles
-            u_begin = _run_start(worker, units, workers)
-            u_end = _run_start(worker + 1, units, workers)
-            nt_first = u_begin // k_tiles
             for nt in cutlass.range(nt_first, (u_end - 1) // k_tiles + 1, unroll=1):
                 kt_begin = cutlass.max(u_begin - nt * k_tiles, 0)
                 kt_end = cutlass.min(u_end - nt * k_tiles, k_tiles)
@@ -319,8 +347,9 @@ class GemvKernel:
                     acc[r].fill(0.0)
                 col0 = nt * TILE_N + wn * WARP_COLS + g
                 # Activation rows 0..M-1 feed the mma's columns g; columns past M hold finite
-                # values that are never stored.
-                self.mainloop(mA, mW, mS, col0, (Int32(0), M), t, kt_begin, kt_end, ctx)
+                # values that are never stored. The first strip's ring was primed above.
+                primed = Int32(nt == nt_first) if cutlass.const_expr(self.table) else None
+                self.mainloop(mA, mW, mS, col0, rows, t, kt_begin, kt_end, ctx, primed=primed)
                 slot = 2 * worker + Int32(nt != nt_first)
                 epi = (scale, mBias, mOut, has_bias, nt)
                 self.finish_strip(
@@ -329,6 +358,34 @@ class GemvKernel:
         # Only now may the next launch's CTAs come in: resident early, they slowed the
         # CTAs they shared an SM with (k = 5, 14336x4096: 23 -> 34 us).
         self.let_next_start()
+
+    @cute.jit
+    def prime_first_strip(self, mA, mW, mS, ring, rows, run, busy):
+        """``issue_prologue`` of the worker's first strip ``run`` = (column tile, first K
+        tile, end K tile), if the warp has a worker (``busy``)."""
+        if busy:
+            nt, kt_begin, kt_end = run
+            lane = cute.arch.lane_idx()
+            col0 = nt * TILE_N + cute.arch.warp_idx() % WARPS * WARP_COLS + lane // 4
+            warp_ring, cols = self.warp_ring(ring, col0)
+            self.issue_prologue(mA, mW, mS, cols, rows, kt_begin, kt_end, warp_ring)
+
+    @cute.jit
+    def prefetch_first_tiles(self, mW, mS, pCodebook, nt, u_begin, u_end, k_tiles):
+        """Bulk L2 prefetch of the first ``prefetch_tiles`` K tiles of the quad's run (its 128
+        columns of a K tile: one contiguous range of words, one of absmax bytes) and of the
+        codebook (which the table fill waits for). Lanes of the quad's first warp."""
+        lane = cute.arch.lane_idx()
+        kt = u_begin - nt * k_tiles + lane // 2
+        if lane < 2 * self.prefetch_tiles and kt < cutlass.min(u_end - nt * k_tiles, k_tiles):
+            if lane % 2 == 0:
+                off = cute.crd2idx(((0, nt), (0, kt), 0), mW.layout)
+                prefetch_l2(mW.iterator + off, TILE_N * BLOCKS_PER_TILE_K * self.k * 4)
+            else:
+                off = cute.crd2idx(((0, nt), (0, kt)), mS.layout)
+                prefetch_l2(mS.iterator + off, TILE_N * BLOCKS_PER_TILE_K)
+        if lane == 31:
+            prefetch_line_l2(pCodebook)
 
     @cute.jit
     def wait_previous(self):
@@ -349,10 +406,11 @@ class GemvKernel:
         blocks of a K tile, their 64 absmax bytes, and ``m`` activation rows of 64 K."""
         return WARP_COLS * BLOCKS_PER_TILE_K * self.k + ABSMAX_WORDS + self.m * A_ROW_WORDS
 
-    def make_mainloop(self, smem: SmemAllocator, pCodebook: cute.Pointer, t):
+    def make_mainloop(self, smem: SmemAllocator, pCodebook: cute.Pointer, t, prime=None):
         """What the K loop works with, made once per CTA: (codebook registers, 16-bit half
         selector, mma atom, A and B fragments, shared-memory ring, the registers of one K
-        tile, accumulators per row tile)."""
+        tile, accumulators per row tile). ``prime(ring)``, if given, runs before the pair
+        table is filled (e.g. to start the first copies)."""
         k = self.k
         mCodebook = cute.make_tensor(pCodebook, cute.make_layout(1 << k))
         if self.byte_tables:
@@ -366,12 +424,18 @@ class GemvKernel:
         frag_a = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((MMA_M, MMA_K)))
         frag_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((MMA_N, MMA_K)))
         if cutlass.const_expr(self.table):
-            codebook = self.make_table(smem, codebook)
+            table = smem.allocate_tensor(
+                Uint32, cute.make_layout(TABLE_BYTES // 4), byte_alignment=1024
+            )
         ring = smem.allocate_tensor(
             Int32,
             cute.make_layout(self.stage_words() * self.stages * self.warps),
             byte_alignment=16,
         )
+        if prime is not None:
+            prime(ring)
+        if cutlass.const_expr(self.table):
+            codebook = self.make_table(table, codebook)
         buf = self.make_buffers()
         acc = [
             tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((MMA_M, MMA_N)))
@@ -379,13 +443,11 @@ class GemvKernel:
         ]
         return codebook, half_select, atom, frag_a, frag_b, ring, buf, acc
 
-    def make_table(self, smem: SmemAllocator, cb_lane):
-        """Fill the CTA's shared pair or quad table from the codebook lanes (``cb_lane``:
-        entry lane % 2^k in both halves); returns (table byte pointer, this lane's byte
-        offset register). Threads write 16-byte slices (2 or 4 lanes' copies of a row)."""
-        table = smem.allocate_tensor(
-            Uint32, cute.make_layout(TABLE_BYTES // 4), byte_alignment=1024
-        )
+    def make_table(self, table: cute.Tensor, cb_lane):
+        """Fill the CTA's shared pair or quad table (``table``: TABLE_BYTES of shared
+        memory) from the codebook lanes (``cb_lane``: entry lane % 2^k in both halves);
+        returns (table byte pointer, this lane's byte offset register). Threads write 16-byte
+        slices (2 or 4 lanes' copies of a row)."""
         tidx, _, _ = cute.arch.thread_idx()
         entry_bytes = TABLE_ENTRY_BYTES[self.lookup]
         self.fill_table(table, cb_lane, tidx, entry_bytes * 32 // 16)
@@ -425,28 +487,26 @@ class GemvKernel:
                 cute.autovec_copy(four, cute.make_tensor(dst, cute.make_layout(4)))
 
     @cute.jit
-    def mainloop(self, mA, mW, mS, col0, rows, t, kt_begin, kt_end, ctx, second=None):
+    def mainloop(self, mA, mW, mS, col0, rows, t, kt_begin, kt_end, ctx, second=None,
+                 primed=None):  # fmt: skip
         """acc += K tiles kt_begin..kt_end of the thread's columns times the activations of
         ``rows`` = (first row, count): mma column g < count takes row first + g.
         The warp's 32 columns are col0 - g onwards, or with ``second`` two runs of 16: that
         many, then 16 from column ``second`` (the grouped gate/up kernel: gate, then up).
+        ``primed`` (Int32, nonzero): ``issue_prologue`` of this run was already called.
 
         Each warp streams its own 32 columns through its shared-memory ring: cp.async
         copies run stages - 1 K tiles ahead while the warp dequantizes the current one from
         registers; only the warp itself waits (``sync_warp``), never the CTA."""
         codebook, half_select, atom, frag_a, frag_b, ring, buf, acc = ctx
         S, sw = self.stages, self.stage_words()
-        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
-        g = lane // 4
-        warp_ring = ring.iterator + cute.assume(warp * (S * sw), divby=CHUNK_WORDS)
-        wcol = col0 - g  # the warp's first column, 16-aligned: (column in tile, tile) once
-        cols = [(wcol % TILE_N, wcol // TILE_N)]
-        if cutlass.const_expr(second is not None):
-            cols.append((second % TILE_N, second // TILE_N))
-        for s in cutlass.range_constexpr(S - 1):
-            if kt_begin + s < kt_end:
-                self.copy_tile(mA, mW, mS, cols, rows, kt_begin + s, warp_ring + s * sw)
-            cute.arch.cp_async_commit_group()
+        g = cute.arch.lane_idx() // 4
+        warp_ring, cols = self.warp_ring(ring, col0, second)
+        if cutlass.const_expr(primed is None):
+            self.issue_prologue(mA, mW, mS, cols, rows, kt_begin, kt_end, warp_ring)
+        else:
+            if primed == 0:
+                self.issue_prologue(mA, mW, mS, cols, rows, kt_begin, kt_end, warp_ring)
         read = Int32(0)
         for kt in cutlass.range(kt_begin, kt_end, unroll=1):
             cute.arch.cp_async_wait_group(S - 2)
@@ -466,6 +526,27 @@ class GemvKernel:
                 read = Int32(0)
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_warp()  # a next pass may refill the ring
+
+    def warp_ring(self, ring, col0, second=None):
+        """(The warp's ring in ``ring``, [(column in tile, tile)] of its first column, or of
+        its two runs of 16 with ``second``): what ``copy_tile`` takes."""
+        S, sw = self.stages, self.stage_words()
+        warp_ring = ring.iterator + cute.assume(cute.arch.warp_idx() * (S * sw), divby=CHUNK_WORDS)
+        wcol = col0 - cute.arch.lane_idx() // 4  # the warp's first column, 16-aligned
+        cols = [(wcol % TILE_N, wcol // TILE_N)]
+        if cutlass.const_expr(second is not None):
+            cols.append((second % TILE_N, second // TILE_N))
+        return warp_ring, cols
+
+    @cute.jit
+    def issue_prologue(self, mA, mW, mS, cols, rows, kt_begin, kt_end, warp_ring):
+        """Copies of the run's first stages - 1 K tiles into the warp's ring (one commit
+        group each, empty past the run)."""
+        sw = self.stage_words()
+        for s in cutlass.range_constexpr(self.stages - 1):
+            if kt_begin + s < kt_end:
+                self.copy_tile(mA, mW, mS, cols, rows, kt_begin + s, warp_ring + s * sw)
+            cute.arch.cp_async_commit_group()
 
     def make_buffers(self):
         """Registers of one K tile: the words of the thread's 4 columns' block, their absmax
