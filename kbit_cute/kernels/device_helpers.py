@@ -386,20 +386,24 @@ def prefetch_line_l2(ptr: cute.Pointer) -> None:
 def split_k_arrive(counter: cute.Pointer, splits: Int32, sFlag: cute.Tensor) -> Int32:
     """After a CTA wrote its fp32 partials: publish them and count the CTA in on its output
     tile's counter. Returns nonzero in the CTA that arrived last, which may then read every
-    split's partials; it resets the counter, so the next call needs no memset."""
+    split's partials; it resets the counter, so the next call needs no memset.
+
+    Release = fence, then a relaxed atomic; acquire = the atomic, then a fence (the PTX
+    memory model's fence patterns). The reset is a plain store after the acquire fence: a
+    fence waits for every memory operation before it, so a reset before it (or an atomic
+    with acq_rel semantics, one fence more) costs an L2 round trip each."""
     cute.arch.fence_acq_rel_gpu()
     cute.arch.sync_threads()
     tidx, _, _ = cute.arch.thread_idx()
     if tidx == 0:
-        prev = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
-        last = Int32(prev == splits - 1)
-        if last != 0:
-            cute.arch.atomic_exch(counter, Int32(0))  # ready for the next call
-        sFlag[0] = last
+        prev = cute.arch.atomic_add(counter, Int32(1), sem="relaxed", scope="gpu")
+        sFlag[0] = Int32(prev == splits - 1)
     cute.arch.sync_threads()
     last = sFlag[0]
     if last != 0:
         cute.arch.fence_acq_rel_gpu()
+        if tidx == 0:
+            _reset_counter(counter)
     return last
 
 
@@ -412,14 +416,20 @@ def warp_split_arrive(counter: cute.Pointer, expected: Int32) -> Int32:
     cute.arch.sync_warp()
     last = Int32(0)
     if cute.arch.lane_idx() == 0:
-        prev = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
+        prev = cute.arch.atomic_add(counter, Int32(1), sem="relaxed", scope="gpu")
         last = Int32(prev == expected - 1)
-        if last != 0:
-            cute.arch.atomic_exch(counter, Int32(0))  # ready for the next call
     last = cute.arch.shuffle_sync(last, 0)
     if last != 0:
         cute.arch.fence_acq_rel_gpu()
+        if cute.arch.lane_idx() == 0:
+            _reset_counter(counter)
     return last
+
+
+def _reset_counter(counter: cute.Pointer) -> None:
+    """Zero a split-K counter for the next call (every arrival of this one has counted; the
+    next launch sees the store once it has waited for this one)."""
+    cute.make_tensor(counter, cute.make_layout(1))[0] = Int32(0)
 
 
 SPLIT_LOADS = 8  # partials loaded at once by sum_split_partials
