@@ -132,7 +132,7 @@ class GemvKernel:
     MAX_QUADS = 7  # quads per CTA sharing a pair table (8, at 64 registers, spilled)
     # K tiles of each quad's run pulled into L2 while the launch waits for the kernel before
     # it (table kernels: one CTA per SM, which lands as soon as the one before leaves).
-    PREFETCH_TILES = 4
+    PREFETCH_TILES = 2
     # Only the lanes of real activation rows read them (``read_tile``); the others keep
     # zeros, which costs a kernel registers across the K loop (the grouped grid kernel's
     # gate/up spilled): it turns this off.
