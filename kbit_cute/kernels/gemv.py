@@ -36,8 +36,10 @@ many workers as fit one wave (``ops.kernel_grid``). The pair table (k <= 4) is s
 the quads of a CTA (up to 7, one CTA per SM).
 
 Launch (sm_90): programmatic dependent launch hides the launch behind the previous kernel's
-tail; the kernel waits for that kernel before any memory access and lets the next one start
-only after its strips (earlier, the next grid's CTAs crowded SMs that still worked).
+tail; meanwhile the table kernels only pull their first K tiles into L2 (harmless), then the
+kernel waits for that kernel before any other memory access, starts its first copies, fills
+the pair table, and lets the next launch start only after its strips (earlier, the next
+grid's CTAs crowded SMs that still worked).
 """
 
 from __future__ import annotations
