@@ -370,15 +370,6 @@ def prefetch_l2(ptr: cute.Pointer, nbytes) -> None:
     )  # fmt: skip
 
 
-def prefetch_line_l2(ptr: cute.Pointer) -> None:
-    """Start pulling the L2 line (128 bytes) holding ``ptr`` into L2 (any alignment); as
-    harmless as ``prefetch_l2``."""
-    llvm.inline_asm(
-        None, [ptr.toint().ir_value()], "prefetch.global.L2 [$0];", "l",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-    )  # fmt: skip
-
-
 # ----------------------------------------------------------------------------- split-K
 
 

@@ -66,7 +66,6 @@ from .device_helpers import (
     pair_selector,
     planes_to_fields,
     prefetch_l2,
-    prefetch_line_l2,
     prmt,
     scaled_byte_tables,
     warp_split_arrive,
@@ -326,14 +325,11 @@ class GemvKernel:
         # Table kernels: the first K tiles' copies go out before the pair table is filled,
         # so that their DRAM latency and the fill overlap (k = 2..4, 2048x512 to 4096x14336:
         # 0.3-0.7 us less per call with the prefetch above).
-        run = (
-            nt_first,
-            u_begin - nt_first * k_tiles,
-            cutlass.min(u_end - nt_first * k_tiles, k_tiles),
-        )
+        run = (u_begin - nt_first * k_tiles, cutlass.min(u_end - nt_first * k_tiles, k_tiles))
+        col0_first = nt_first * TILE_N + wn * WARP_COLS + g
 
         def prime(ring):
-            self.prime_first_strip(mA, mW, mS, ring, rows, run, worker < workers)
+            self.prime_first_strip(mA, mW, mS, ring, rows, col0_first, run, worker < workers)
 
         smem = SmemAllocator()
         # (the pair table syncs the CTA)
@@ -362,15 +358,12 @@ class GemvKernel:
         self.let_next_start()
 
     @cute.jit
-    def prime_first_strip(self, mA, mW, mS, ring, rows, run, busy):
-        """``issue_prologue`` of the worker's first strip ``run`` = (column tile, first K
-        tile, end K tile), if the warp has a worker (``busy``)."""
+    def prime_first_strip(self, mA, mW, mS, ring, rows, col0, run, busy):
+        """``issue_prologue`` of the worker's first strip (the thread's column ``col0``, K
+        tiles ``run`` = (first, end)), if the warp has a worker (``busy``)."""
         if busy:
-            nt, kt_begin, kt_end = run
-            lane = cute.arch.lane_idx()
-            col0 = nt * TILE_N + cute.arch.warp_idx() % WARPS * WARP_COLS + lane // 4
             warp_ring, cols = self.warp_ring(ring, col0)
-            self.issue_prologue(mA, mW, mS, cols, rows, kt_begin, kt_end, warp_ring)
+            self.issue_prologue(mA, mW, mS, cols, rows, run[0], run[1], warp_ring)
 
     @cute.jit
     def prefetch_first_tiles(self, mW, mS, pCodebook, nt, u_begin, u_end, k_tiles):
@@ -387,7 +380,7 @@ class GemvKernel:
                 off = cute.crd2idx(((0, nt), (0, kt)), mS.layout)
                 prefetch_l2(mS.iterator + off, TILE_N * BLOCKS_PER_TILE_K)
         if lane == 31:
-            prefetch_line_l2(pCodebook)
+            prefetch_l2(pCodebook, 4 << self.k)  # 16-byte aligned (the launch checks)
 
     @cute.jit
     def wait_previous(self):

@@ -33,8 +33,9 @@ from cutlass import Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from ..format import TILE_K, TILE_N
+from ..layouts import weight_absmax_layout, weight_words_layout
 from .gemm import _DTYPES, GemmConfig, GemmKernel
-from .grouped_gemv import find_work_slot, silu_times
+from .grouped_gemv import expert_weights, find_work_slot, silu_times
 
 
 def gate_up_source(kt64, n_cta, n_tiles128, off, per_tile, up):
@@ -128,19 +129,20 @@ class GroupedGemmKernel(GemmKernel):
             row_begin = sScan[warps + 1]
             rows = cutlass.max(cutlass.min(sScan[warps + 2], R - row_begin), 0)  # bad offsets
             m_tile = sScan[warps + 3]
-            # One expert's weights: ceil(N / 128) x ceil(K / 64) repack tiles of 256 absmax
-            # bytes and k words per absmax byte, experts back to back.
             n_tiles = (N + TILE_N - 1) // TILE_N
             k_tiles = (K + TILE_K - 1) // TILE_K
-            absmax_bytes = Int64(n_tiles * k_tiles * 2 * TILE_N)
-            w_first = cute.assume(Int64(expert) * absmax_bytes * self.k, divby=TILE_N)
-            s_first = cute.assume(Int64(expert) * absmax_bytes, divby=TILE_N)
+            mWe, mSe = expert_weights(
+                cute.make_tensor(pPacked, weight_words_layout(n_tiles, k_tiles, self.k)),
+                cute.make_tensor(pAbsmax, weight_absmax_layout(n_tiles, k_tiles)),
+                expert,
+                self.k,
+            )
             a_first = cute.assume(Int64(row_begin) * Int64(K), divby=32)
             n_out = self.out_width(N)
             o_first = cute.assume(Int64(row_begin) * Int64(n_out), divby=8)  # (host: N % 8 == 0)
             # (no bias, no split-K: the bias, workspace and counter pointers are not read)
             self.tile(
-                base_u8, pA + a_first, pPacked + w_first, pAbsmax + s_first, pCodebook,
+                base_u8, pA + a_first, mWe.iterator, mSe.iterator, pCodebook,
                 pScale + expert, pOut, pOut + o_first, pScale, mOff.iterator, rows, N, K,
                 1, 0, 0, m_tile, n_cta, 0, 1,
             )  # fmt: skip
