@@ -285,6 +285,8 @@ def kernel_grid(kernel, N: int, K: int, sm_count: int, workers: int | None = Non
     """(workers, CTAs) of a ``GemvKernel``: column tiles x ``gemv_splits`` workers unless
     given, as many splits as fit the resident quads (one wave; the kernel's CTAs per SM
     come from its CTA size, registers and shared memory)."""
+    from .kernels.gemv import check_run_bounds
+
     slots = sm_count * kernel.ctas_per_sm
     n_tiles = -(-N // 128)
     units = n_tiles * -(-K // 64)
@@ -292,6 +294,7 @@ def kernel_grid(kernel, N: int, K: int, sm_count: int, workers: int | None = Non
         splits = gemv_splits(N, K, sm_count)
         workers = n_tiles * max(1, min(splits, slots * kernel.quads // n_tiles))
     workers = min(workers, units)
+    check_run_bounds(units, workers)
     # Quads of a CTA take workers ctas apart: one CTA per slot, or as few as hold them all.
     return workers, max(-(-workers // kernel.quads), min(workers, slots))
 

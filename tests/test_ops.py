@@ -426,3 +426,12 @@ def test_kbit_linear_takes_the_hot_path(fake_gpu, gen):
 def test_gemv_splits_rule(K, N, splits):
     """The measured split rule of the GEMV (``ops.gemv_splits``) on a 132-SM H100."""
     assert ops.gemv_splits(N, K, 132) == splits
+
+
+def test_gemv_grid_refuses_runs_past_32_bits():
+    """The GEMV computes its stream-K run bounds in 32 bits: a weight whose (column tile, K
+    tile) units x workers reach 2^32 is refused with a message, not computed wrongly."""
+    N, K = 1 << 17, 1 << 17  # 1024 x 2048 = 2^21 units
+    with pytest.raises(ValueError, match="too large for one GEMV launch"):
+        ops.gemv_grid(4, 1, torch.float16, N, K, 132, workers=1 << 11)
+    assert ops.gemv_grid(4, 1, torch.float16, N, K, 132, workers=1 << 10)[0] == 1 << 10

@@ -138,6 +138,8 @@ class GemvKernel:
     # zeros, which costs a kernel registers across the K loop (the grouped grid kernel's
     # gate/up spilled): it turns this off.
     REAL_ROWS_ONLY = True
+    # Stream-K run bounds in 64-bit arithmetic (``_run_start``); the GEMV's fit 32 bits.
+    WIDE_RUNS = False
 
     def __init__(
         self,
@@ -760,8 +762,9 @@ class GemvKernel:
         units, workers, k_tiles = plan
         lane = cute.arch.lane_idx()
         # Workers whose runs meet this strip: w_lo holds its first K tile, w_hi its last.
-        w_lo = _worker_of(strip * k_tiles, units, workers)
-        w_hi = _worker_of(strip * k_tiles + k_tiles - 1, units, workers)
+        wide = self.WIDE_RUNS
+        w_lo = _worker_of(strip * k_tiles, units, workers, wide)
+        w_hi = _worker_of(strip * k_tiles + k_tiles - 1, units, workers, wide)
         if w_lo == w_hi:
             self.store_fragment(acc, epi, wn, t)
         else:
@@ -775,7 +778,8 @@ class GemvKernel:
             if warp_split_arrive(counter, w_hi - w_lo + 1) != 0:
                 # w_lo wrote slot 2 w_lo if its run starts at this strip, else 2 w_lo + 1
                 # (its last strip); every later worker starts here: slot 2 w.
-                first_slot = 2 * w_lo + Int32(_run_start(w_lo, units, workers) < strip * k_tiles)
+                starts_here = _run_start(w_lo, units, workers, wide) >= strip * k_tiles
+                first_slot = 2 * w_lo + 1 - Int32(starts_here)
                 self.reduce_strip(mWs, epi, wn, first_slot, w_hi - w_lo)
 
     @cute.jit
@@ -837,16 +841,35 @@ class GemvKernel:
             mOut[m, n] = self.dtype(r)
 
 
+# The GEMV's stream-K run bounds in 32-bit unsigned arithmetic: units x workers < 2^32 (the
+# host checks, ``check_run_bounds``); a 64-bit division is a subroutine call in the prologue.
+# ``wide``: 64-bit (the grouped stream kernel, whose unit count depends on the routing).
+MAX_UNITS_X_WORKERS = 1 << 32
+
+
+def check_run_bounds(units: int, workers: int) -> None:
+    """Raise unless the GEMV's 32-bit run arithmetic holds ``units`` x ``workers``."""
+    if units * workers >= MAX_UNITS_X_WORKERS:
+        raise ValueError(
+            f"{units} (column tile, K tile) units x {workers} stream-K workers >= 2^32: the "
+            "weight is too large for one GEMV launch; split it along N"
+        )
+
+
 @cute.jit
-def _run_start(w, units, workers) -> Int32:
+def _run_start(w, units, workers, wide: cutlass.Constexpr[bool] = False) -> Int32:
     """First unit of worker w's run: runs split ``units`` into ``workers`` equal parts."""
-    return Int32(Int64(w) * Int64(units) // Int64(workers))
+    if cutlass.const_expr(wide):
+        return Int32(Int64(w) * Int64(units) // Int64(workers))
+    return Int32(Uint32(w) * Uint32(units) // Uint32(workers))
 
 
 @cute.jit
-def _worker_of(u, units, workers) -> Int32:
+def _worker_of(u, units, workers, wide: cutlass.Constexpr[bool] = False) -> Int32:
     """The worker whose run holds unit u (the inverse of ``_run_start``)."""
-    return Int32((Int64(u) * Int64(workers) + Int64(workers - 1)) // Int64(units))
+    if cutlass.const_expr(wide):
+        return Int32((Int64(u) * Int64(workers) + Int64(workers - 1)) // Int64(units))
+    return Int32((Uint32(u) * Uint32(workers) + Uint32(workers - 1)) // Uint32(units))
 
 
 def _copy_chunk(atom, src: cute.Pointer, dst: cute.Pointer):

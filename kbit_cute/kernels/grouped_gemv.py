@@ -526,6 +526,8 @@ class GroupedStreamKernel(GemvKernel):
     worker in worker order (bit-identical run to run), as in the GEMV.
     """
 
+    WIDE_RUNS = True  # its unit count depends on the routing
+
     def __init__(self, k: int, dtype: type[cutlass.Numeric], gate_up: bool, stages=None):
         # Quads per CTA: at most 6 (80 registers); k = 2, 3 spilled there: 5 (96).
         self.MAX_QUADS = 6 if k >= 4 else 5
@@ -613,8 +615,8 @@ class GroupedStreamKernel(GemvKernel):
                 s = cutlass.min(cutlass.min(workers // strips, k_tiles // min_run), 16)
                 workers = strips * cutlass.max(s, 1)
         worker = quad * ctas + cta
-        u_begin = _run_start(worker, units, workers)
-        u_end = _run_start(worker + 1, units, workers)
+        u_begin = _run_start(worker, units, workers, wide=True)
+        u_end = _run_start(worker + 1, units, workers, wide=True)
         strip_first = u_begin // k_tiles
         strip_end = (u_end - 1) // k_tiles + 1  # past the worker's last strip
         if worker >= workers or u_end <= u_begin:
