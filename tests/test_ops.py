@@ -435,3 +435,12 @@ def test_gemv_grid_refuses_runs_past_32_bits():
     with pytest.raises(ValueError, match="too large for one GEMV launch"):
         ops.gemv_grid(4, 1, torch.float16, N, K, 132, workers=1 << 11)
     assert ops.gemv_grid(4, 1, torch.float16, N, K, 132, workers=1 << 10)[0] == 1 << 10
+
+
+def test_gemv_grid_takes_full_ctas_where_they_nearly_fill_the_gpu():
+    """896 quads (8192x28672, 4 splits) on 132 SMs of 7 quads: 128 full CTAs for the
+    DRAM-bound table kernels (k >= 3), every SM for k = 2 (bound by each SM's shared-memory
+    pipe) and for grids far from full (4096x14336: 448 quads)."""
+    for k, ctas in ((2, 132), (3, 128), (4, 128)):
+        assert ops.gemv_grid(k, 1, torch.float16, 28672, 8192, 132) == (896, ctas)
+    assert ops.gemv_grid(4, 1, torch.float16, 14336, 4096, 132) == (448, 132)
