@@ -36,7 +36,7 @@ many workers as fit one wave (``ops.kernel_grid``). The pair table (k <= 4) is s
 the quads of a CTA (up to 7, one CTA per SM).
 
 Launch (sm_90): programmatic dependent launch hides the launch behind the previous kernel's
-tail; meanwhile the table kernels only pull their first K tiles into L2 (harmless), then the
+tail; meanwhile multi-quad CTAs only pull their first K tiles into L2 (harmless), then the
 kernel waits for that kernel before any other memory access, starts its first copies, fills
 the pair table, and lets the next launch start only after its strips (earlier, the next
 grid's CTAs crowded SMs that still worked).
@@ -131,6 +131,7 @@ class GemvKernel:
     """Compile-time config: bits ``k``, rows bucket ``m`` (1, 2, 4 or 8), activation dtype."""
 
     MAX_QUADS = 7  # quads per CTA sharing a pair table (8, at 64 registers, spilled)
+    REGISTER_LOOKUP_QUADS = 7  # quads per CTA without a table, on sm_90
     # K tiles of each quad's run pulled into L2 while the launch waits for the kernel before
     # it (table kernels: one CTA per SM, which lands as soon as the one before leaves).
     PREFETCH_TILES = 2
@@ -176,15 +177,20 @@ class GemvKernel:
         self.table = self.lookup in TABLE_ENTRY_BYTES  # a shared-memory table per CTA
         min_width = {"byte_tables": 4, "pair_table": 4, "quad_table": 2}.get(self.lookup, 1)
         self.field_width = field_bits(k, min_width)
-        # Workers (quads of 4 column warps) per CTA. One quad per CTA lets the hardware pack
-        # 8 CTAs on an SM; the 64 KB pair table is shared by as many quads as the shared
-        # memory of an SM holds besides it, up to 7 (at 8, 64 registers, it spilled).
+        # Workers (quads of 4 column warps) per CTA. The 64 KB pair table is shared by as
+        # many quads as the shared memory of an SM holds besides it, up to 7 (at 8, 64
+        # registers, it spilled). Register lookups (k = 5) on sm_90: 7 quads as well, one CTA
+        # per SM, so that a grid of full CTAs leaves no SM with a quad less (``ops.kernel_
+        # grid``; 8192x28672 72.3 -> 70.8 us, 14336x4096 24.4 -> 21.8 against one quad per
+        # CTA, 8 of them per SM); REGISTER_LOOKUP_QUADS = 1 keeps one (sm_80 spilled at 72).
         if quads is None:
             quads = 1
             if self.table:
                 ring = 4 * self.stage_words() * self.stages * WARPS
                 room = smem_per_sm() - TABLE_BYTES - 1024 - extra_smem
                 quads = max(1, min(self.MAX_QUADS, room // ring))
+            elif target_arch_family() == "sm_90":
+                quads = self.REGISTER_LOOKUP_QUADS
         self.quads = quads
         self.warps = WARPS * quads
         self.threads = 32 * self.warps
@@ -212,9 +218,10 @@ class GemvKernel:
         # Programmatic dependent launch (sm_90 on): the launch may start while the kernel
         # before it still runs; ``wait_previous`` before any memory access keeps it safe.
         self.pdl = target_arch_family() == "sm_90"
-        # The prefetch pays where CTAs land early (one per SM); k = 5's small CTAs lost by it
-        # (4096x14336: 25.4 -> 26.5 us).
-        self.prefetch_tiles = self.PREFETCH_TILES if self.table and self.pdl else 0
+        # The prefetch pays where CTAs land early (one per SM: multi-quad CTAs; k = 5 with 7
+        # quads, 2048x2048 5.86 -> 5.24 us); one-quad CTAs lost by it (k = 5 when it had
+        # them, 4096x14336: 25.4 -> 26.5 us).
+        self.prefetch_tiles = self.PREFETCH_TILES if self.quads > 1 and self.pdl else 0
 
     @staticmethod
     def lookup_fits(lookup: str, k: int) -> bool:

@@ -527,6 +527,7 @@ class GroupedStreamKernel(GemvKernel):
     """
 
     WIDE_RUNS = True  # its unit count depends on the routing
+    REGISTER_LOOKUP_QUADS = 1  # k = 5: one quad per CTA (measured with it)
 
     def __init__(self, k: int, dtype: type[cutlass.Numeric], gate_up: bool, stages=None):
         # Quads per CTA: at most 6 (80 registers); k = 2, 3 spilled there: 5 (96).
