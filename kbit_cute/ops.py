@@ -281,6 +281,10 @@ def gemv_grid(k: int, m_bucket: int, dtype: torch.dtype, N: int, K: int, sm_coun
     return kernel_grid(kernel, N, K, sm_count, workers)
 
 
+# ``kernel_grid`` takes the fewest (full) CTAs where they fill at least this share of the slots.
+FULL_CTAS_FILL = 0.95
+
+
 def kernel_grid(kernel, N: int, K: int, sm_count: int, workers: int | None = None):
     """(workers, CTAs) of a ``GemvKernel``: column tiles x ``gemv_splits`` workers unless
     given, as many splits as fit the resident quads (one wave; the kernel's CTAs per SM
@@ -297,7 +301,7 @@ def kernel_grid(kernel, N: int, K: int, sm_count: int, workers: int | None = Non
     check_run_bounds(units, workers)
     # Quads of a CTA take workers ctas apart: one CTA per slot, or as few as hold them all.
     fewest = -(-workers // kernel.quads)
-    if kernel.quads > 1 and kernel.k >= 3 and fewest * FULL_CTAS_FROM >= slots:
+    if kernel.quads > 1 and kernel.k >= 3 and fewest >= FULL_CTAS_FILL * slots:
         # Workers that nearly fill every slot (e.g. 896 quads: 128 CTAs of 7, or 132 of
         # which 28 hold 6): fewer, full CTAs. A CTA with a quad less leaves its SM idle
         # early, and the kernels of k >= 3 are bound by the DRAM stream there, not by the
@@ -305,10 +309,6 @@ def kernel_grid(kernel, N: int, K: int, sm_count: int, workers: int | None = Non
         # shared-memory pipe of each SM, 1-2% slower: not taken).
         return workers, fewest
     return workers, max(fewest, min(workers, slots))
-
-
-# ``kernel_grid``: the fewest CTAs where they would fill this fraction of the slots
-FULL_CTAS_FROM = 20 / 19
 
 
 def _pow2(n: int) -> int:

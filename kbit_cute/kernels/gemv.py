@@ -133,7 +133,7 @@ class GemvKernel:
     MAX_QUADS = 7  # quads per CTA sharing a pair table (8, at 64 registers, spilled)
     REGISTER_LOOKUP_QUADS = 7  # quads per CTA without a table, on sm_90
     # K tiles of each quad's run pulled into L2 while the launch waits for the kernel before
-    # it (table kernels: one CTA per SM, which lands as soon as the one before leaves).
+    # it (multi-quad CTAs: one per SM, which lands as soon as the one before leaves).
     PREFETCH_TILES = 2
     # Only the lanes of real activation rows read them (``read_tile``); the others keep
     # zeros, which costs a kernel registers across the K loop (the grouped grid kernel's
@@ -182,7 +182,7 @@ class GemvKernel:
         # registers, it spilled). Register lookups (k = 5) on sm_90: 7 quads as well, one CTA
         # per SM, so that a grid of full CTAs leaves no SM with a quad less (``ops.kernel_
         # grid``; 8192x28672 72.3 -> 70.8 us, 14336x4096 24.4 -> 21.8 against one quad per
-        # CTA, 8 of them per SM); REGISTER_LOOKUP_QUADS = 1 keeps one (sm_80 spilled at 72).
+        # CTA, 7 of them per SM); REGISTER_LOOKUP_QUADS = 1 keeps one (sm_80 spilled at 72).
         if quads is None:
             quads = 1
             if self.table:
