@@ -246,14 +246,21 @@ def gemv_splits(N: int, K: int, sm_count: int) -> int:
     Refined from a sweep of 1, 2, 4, 8 and 16 splits on 16 smaller shapes (2026-11-23, us at
     M = 1, k = 2 / 4 / 5, the earlier rule -> this one): a split's reduction costs about a
     microsecond, so K of <= 4 tiles is not split (256x2048 4.9-5.1 with 2 splits against
-    3.7-3.9); short K (<= 8 tiles; with >= 64 column tiles K < 16 tiles stays unsplit, not
-    measured) or few columns (<= 4 tiles) take runs of 2 tiles
+    3.7-3.9); short K (<= 8 tiles) or few columns (<= 4 tiles) took runs of 2 tiles (few
+    columns still do)
     (2048x512 5.80 / 5.64 / 5.94 -> 5.13 / 5.05 / 4.94, 512x2048 5.64 / 5.47 / 5.82 -> 5.08 /
     4.86 / 4.96, 512x4096 5.64 / 5.54 / 5.89 -> 5.20 / 5.10 / 5.31); many columns over K <= 32
     tiles take 4 splits, not 2 (2048x8192 9.62 / 10.09 / 12.61 -> 7.86 / 8.53 / 10.75,
     2048x12288 10.43 / 11.66 / 15.74 -> 8.75 / 9.80 / 12.48, 1024x8192 7.04 / 7.12 / 8.15 ->
     6.31 / 6.64 / 7.54). In the model (``python -m perf decode --model qwen3-coder-next``,
     alternating with the earlier rule) the linears of a k = 4 step took 2.6% less time.
+    Short K (5..8 tiles) over 5..63 column tiles: about one run per SM, of one K tile or
+    more (sweep of 2, 4, 8 splits on 8 shapes, 2026-11-23, us at M = 1, k = 2 / 4 / 5, runs
+    of 2 tiles -> this: 384x2048 4.18 / 4.03 / 4.34 -> 3.78 / 3.72 / 3.90, 448x4096 4.48 /
+    4.37 / 4.85 -> 3.96 / 3.83 / 4.10, 320x4096 4.15 / 4.04 / 4.39 -> 3.89 / 3.84 / 4.07,
+    512x1024 3.82 / 3.68 / 3.92 -> 3.61 / 3.35 / 3.55; 512x4096 keeps 4). With >= 64
+    column tiles K < 16 tiles stays unsplit (512x8192, 512x12288: best for k = 2, 4; k = 5
+    wanted 4 splits at 512x8192, 4.85 against 5.51).
     """
     n_tiles = -(-N // 128)
     k_tiles = -(-K // 64)
@@ -262,10 +269,13 @@ def gemv_splits(N: int, K: int, sm_count: int) -> int:
     max_splits = 16
     if n_tiles >= 64:
         if k_tiles < 16:
-            return 1  # (unmeasured: the earlier rule's value)
+            return 1
         min_kt, max_splits = (16, 16) if k_tiles > 32 else (4, 4)
-    elif n_tiles <= 4 or k_tiles <= 8:
+    elif n_tiles <= 4:
         min_kt = 2
+    elif k_tiles <= 8:
+        want = min(-(-sm_count // n_tiles), k_tiles)
+        return 1 << (want.bit_length() - 1)
     else:
         min_kt = 4
     want = min(-(-6 * sm_count // n_tiles), k_tiles // min_kt, max_splits)

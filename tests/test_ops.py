@@ -413,7 +413,9 @@ def test_kbit_linear_takes_the_hot_path(fake_gpu, gen):
     "K,N,splits",
     [
         (256, 2048, 1),  # K of 4 tiles: no split
-        (512, 2048, 4),  # short K: runs of 2 tiles
+        (512, 2048, 8),  # short K: about one run (>= 1 K tile) per SM
+        (512, 4096, 4),
+        (384, 2048, 4),  # 6 K tiles: the power of two below
         (512, 8192, 1),  # short K, many columns: unsplit
         (2048, 512, 16),  # few columns: runs of 2 tiles
         (2048, 2048, 8),
