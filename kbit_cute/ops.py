@@ -246,14 +246,14 @@ def gemv_splits(N: int, K: int, sm_count: int) -> int:
     Refined from a sweep of 1, 2, 4, 8 and 16 splits on 16 smaller shapes (2026-11-23, us at
     M = 1, k = 2 / 4 / 5, the earlier rule -> this one): a split's reduction costs about a
     microsecond, so K of <= 4 tiles is not split (256x2048 4.9-5.1 with 2 splits against
-    3.7-3.9); short K (<= 8 tiles) or few columns (<= 4 tiles) took runs of 2 tiles (few
-    columns still do)
-    (2048x512 5.80 / 5.64 / 5.94 -> 5.13 / 5.05 / 4.94, 512x2048 5.64 / 5.47 / 5.82 -> 5.08 /
-    4.86 / 4.96, 512x4096 5.64 / 5.54 / 5.89 -> 5.20 / 5.10 / 5.31); many columns over K <= 32
-    tiles take 4 splits, not 2 (2048x8192 9.62 / 10.09 / 12.61 -> 7.86 / 8.53 / 10.75,
-    2048x12288 10.43 / 11.66 / 15.74 -> 8.75 / 9.80 / 12.48, 1024x8192 7.04 / 7.12 / 8.15 ->
-    6.31 / 6.64 / 7.54). In the model (``python -m perf decode --model qwen3-coder-next``,
-    alternating with the earlier rule) the linears of a k = 4 step took 2.6% less time.
+    3.7-3.9); short K (<= 8 tiles) or few columns (<= 4 tiles) took runs of 2 tiles, as few
+    columns still do (2048x512 5.80 / 5.64 / 5.94 -> 5.13 / 5.05 / 4.94, 512x2048 5.64 / 5.47
+    / 5.82 -> 5.08 / 4.86 / 4.96, 512x4096 5.64 / 5.54 / 5.89 -> 5.20 / 5.10 / 5.31); many
+    columns over K <= 32 tiles take 4 splits, not 2 (2048x8192 9.62 / 10.09 / 12.61 -> 7.86
+    / 8.53 / 10.75, 2048x12288 10.43 / 11.66 / 15.74 -> 8.75 / 9.80 / 12.48, 1024x8192 7.04 /
+    7.12 / 8.15 -> 6.31 / 6.64 / 7.54). In the model (``python -m perf decode --model
+    qwen3-coder-next``, alternating with the earlier rule) the linears of a k = 4 step took
+    2.6% less time.
     Short K (5..8 tiles) over 5..63 column tiles: about one run per SM, of one K tile or
     more (sweep of 2, 4, 8 splits on 8 shapes, 2026-11-23, us at M = 1, k = 2 / 4 / 5, runs
     of 2 tiles -> this: 384x2048 4.18 / 4.03 / 4.34 -> 3.78 / 3.72 / 3.90, 448x4096 4.48 /
@@ -308,7 +308,6 @@ def kernel_grid(kernel, N: int, K: int, sm_count: int, workers: int | None = Non
         splits = gemv_splits(N, K, sm_count)
         workers = n_tiles * max(1, min(splits, slots * kernel.quads // n_tiles))
     workers = min(workers, units)
-    check_run_bounds(units, workers)
     # Quads of a CTA take workers ctas apart: one CTA per slot, or as few as hold them all.
     fewest = -(-workers // kernel.quads)
     if kernel.quads > 1 and kernel.k >= 3 and fewest >= FULL_CTAS_FILL * slots:
@@ -317,8 +316,12 @@ def kernel_grid(kernel, N: int, K: int, sm_count: int, workers: int | None = Non
         # early, and the kernels of k >= 3 are bound by the DRAM stream there, not by the
         # SM count (8192x28672 k = 4: 48.3 -> 46.1 us; k = 3 equal; k = 2, bound by the
         # shared-memory pipe of each SM, 1-2% slower: not taken).
-        return workers, fewest
-    return workers, max(fewest, min(workers, slots))
+        ctas = fewest
+    else:
+        ctas = max(fewest, min(workers, slots))
+    # Every quad computes its run bounds, idle ones too (worker index up to ctas x quads).
+    check_run_bounds(units, ctas * kernel.quads)
+    return workers, ctas
 
 
 def _pow2(n: int) -> int:

@@ -850,18 +850,19 @@ class GemvKernel:
 
 # Stream-K run bounds in 32-bit unsigned arithmetic: a 64-bit division is a subroutine
 # call, in the prologue and on the split-K hand-over's path (the GEMV: 0.1-0.5 us per call).
-# The GEMV's units x workers < 2^32 (the host checks, ``check_run_bounds``). ``wide`` (the
+# The GEMV's units x worker slots < 2^32 (the host checks, ``check_run_bounds``). ``wide`` (the
 # grouped stream kernel, whose unit count depends on the routing): 32 bits where the
 # product fits, checked at run time, else 64.
 MAX_UNITS_X_WORKERS = 1 << 32
 
 
 def check_run_bounds(units: int, workers: int) -> None:
-    """Raise unless the GEMV's 32-bit run arithmetic holds ``units`` x ``workers``."""
+    """Raise unless the GEMV's 32-bit run arithmetic holds ``units`` x ``workers`` (worker
+    slots: CTAs x quads, idle ones included)."""
     if units * workers >= MAX_UNITS_X_WORKERS:
         raise ValueError(
-            f"{units} (column tile, K tile) units x {workers} stream-K workers >= 2^32: the "
-            "weight is too large for one GEMV launch; split it along N"
+            f"{units} (column tile, K tile) units x {workers} stream-K worker slots >= 2^32: "
+            "the weight is too large for one GEMV launch; split it along N"
         )
 
 
