@@ -1,20 +1,21 @@
-"""Host side of the mma.sync GEMM (``kbit_cute.gemm`` sends it M > 8): tiling and split-K
-choice, split-K buffers, launch.
+"""Host side of the mma.sync GEMM (``kbit_cute.gemm`` sends it M > 8): tiling and stream-K
+worker choice, split-K buffers, launch.
 
 ``gemm_mma(A2d, qw, bias, out)`` runs ``kernels/gemm.py`` on CUDA tensors. The tiling and
-the split count come from the measured table ``kernels/gemm_table.py`` (rows by k and M;
-splits so that the M x N tiles times the splits fill the SMs to the table's target), unless
-the caller passes ``config`` / ``splits``. ``prefer_cublas(M, k)`` says where the table found
-dequantize + cuBLAS faster; ``kbit_cute.gemm`` uses it to pick the path.
+the worker count come from the measured table ``kernels/gemm_table.py`` (rows by k and M,
+``plan_workers``), unless the caller passes ``config`` / ``splits`` / ``workers``.
+``prefer_cublas(M, k)`` says where the table found dequantize + cuBLAS faster;
+``kbit_cute.gemm`` uses it to pick the path.
 
 Split-K buffers live per (device, stream): an fp32 partials buffer (deterministic mode: the
-last CTA of a tile sums the splits in split order), an fp32 sums buffer kept at zero
+last CTA of a tile sums the partials in worker order), an fp32 sums buffer kept at zero
 (atomic mode: ``red.add``, the last CTA reads and re-zeroes its tile) and the tile counters,
 kept at zero by the kernel. Nothing is cleared per call. They are driver memory
 (``device.scratch_tensor``), outside torch's caching allocator, so a first call inside a
 CUDA-graph capture or inductor's graph pool (``mode="reduce-overhead"``) allocates nothing
 there; they grow to powers of two and are never freed while the process runs (a captured
-graph may still point at an outgrown one). With one split the kernel touches none of them.
+graph may still point at an outgrown one). Where every run holds whole tiles the kernel
+touches none of them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from . import device as _device
 from .compile import MisalignedError, current_raw_stream, launcher
 from .format import BLOCK, KbitWeight, padded_shape
 from .kernels import gemm_table
+from .kernels.device_helpers import check_run_bounds
 from .kernels.gemm import GemmConfig, GemmKernel, gemm_spec
 
 _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -66,14 +68,44 @@ def choose_splits(
     return max(1, min(want, max_splits, k_iters // MIN_K_ITERS_PER_SPLIT))
 
 
+def plan_workers(
+    M: int, N: int, K: int, cfg: GemmConfig, sm_count: int, ctas_per_sm: int, max_splits: int,
+    resident: int | None = None,
+) -> int:  # fmt: skip
+    """CTAs (stream-K workers) of the launch. The kernel splits the (output tile, K slice)
+    units into equal runs, one per CTA.
+
+    One M tile (M <= tile_m): ``ctas_per_sm`` x SMs workers (at most ``resident`` per SM,
+    what shared memory holds; at most ``max_splits`` per tile, each >= 2 K slices): every
+    SM gets the same share, where whole tiles leave the last wave partly empty (8192x28672
+    at M = 32: 224 tiles on 132 SMs). Several M tiles: whole tiles times ``choose_splits``,
+    the split-K grid. There the CTAs that share a weight tile must run at the same time
+    for its second read to hit the L2, which runs through consecutive tiles would undo."""
+    m_tiles = -(-M // cfg.tile_m)
+    tiles = m_tiles * -(-N // cfg.tile_n)
+    if m_tiles > 1:
+        return tiles * choose_splits(M, N, K, cfg, sm_count, ctas_per_sm, max_splits)
+    units = tiles * -(-K // cfg.tile_k)
+    per_sm = ctas_per_sm if resident is None else max(1, min(ctas_per_sm, resident))
+    return max(1, min(per_sm * sm_count, tiles * max_splits, units // MIN_K_ITERS_PER_SPLIT))
+
+
+def resident_ctas(cfg: GemmConfig, k: int, smem_per_sm: int) -> int:
+    """CTAs of ``cfg`` that an SM's shared memory holds (1 KB per CTA is the driver's)."""
+    return smem_per_sm // (cfg.smem_bytes(k) + 1024)
+
+
 def plan(
-    M: int, N: int, K: int, k: int, sm_count: int, l2_bytes: int | None = None
-) -> tuple[GemmConfig, int]:
-    """The table's (config, splits) for this problem on a GPU with ``sm_count`` SMs and
-    ``l2_bytes`` of L2 (None: the weight is taken to fit)."""
+    M: int, N: int, K: int, k: int, sm_count: int, l2_bytes: int | None = None,
+    smem_per_sm: int | None = None,
+) -> tuple[GemmConfig, int]:  # fmt: skip
+    """The table's (config, workers) for this problem on a GPU with ``sm_count`` SMs,
+    ``l2_bytes`` of L2 (None: the weight is taken to fit) and ``smem_per_sm`` bytes of
+    shared memory per SM (None: no residency limit)."""
     name, ctas_per_sm, max_splits = table_rule(k, M, weight_over_l2(N, K, k, l2_bytes))
     cfg = GemmConfig.parse(name)
-    return cfg, choose_splits(M, N, K, cfg, sm_count, ctas_per_sm, max_splits)
+    resident = None if smem_per_sm is None else resident_ctas(cfg, k, smem_per_sm)
+    return cfg, plan_workers(M, N, K, cfg, sm_count, ctas_per_sm, max_splits, resident)
 
 
 def weight_bytes(N: int, K: int, k: int) -> int:
@@ -125,7 +157,7 @@ class _SplitKBuffers:
 
 
 _buffers: dict[tuple[int, int], _SplitKBuffers] = {}
-_plans: dict[tuple, tuple[GemmConfig, int]] = {}
+_plans: dict[tuple, tuple[GemmConfig, int]] = {}  # (config, workers) per shape
 _launchers: dict[tuple[int, str, str], object] = {}
 
 
@@ -140,26 +172,29 @@ def gemm_mma(
     *,
     config: GemmConfig | str | None = None,
     splits: int | None = None,
+    workers: int | None = None,
     deterministic: bool = False,
 ) -> torch.Tensor:
     """out[M, N] = A2d[M, K] @ W^T (+ bias) by the mma.sync GEMM; returns ``out``.
 
     CUDA fp16/bf16 tensors; ``out`` contiguous [M, N] in A's dtype, ``bias`` [N] in A's
-    dtype or None. ``config`` / ``splits`` override the table. ``deterministic``: the
-    split-K reduction sums the splits in a fixed order (bit-identical run to run);
-    otherwise the splits are added with atomics (order varies in the last fp32 bits).
+    dtype or None. ``config`` overrides the table's tiling; ``splits`` (a split-K grid:
+    every output tile in that many K ranges) or ``workers`` (that many stream-K CTAs)
+    override its worker count. ``deterministic``: the split-K reduction sums the partials
+    in worker order (bit-identical run to run); otherwise they are added with atomics
+    (order varies in the last fp32 bits).
     """
     if not isinstance(qw, KbitWeight):
         raise TypeError(f"qw must be a KbitWeight, got {type(qw).__name__}")
     return launch(
         A2d, qw.packed, qw.absmax, qw.codebook, qw.scale, qw.k, qw.N, qw.K, bias, out,
-        config=config, splits=splits, deterministic=deterministic,
+        config=config, splits=splits, workers=workers, deterministic=deterministic,
     )  # fmt: skip
 
 
 def launch(
     A2d, packed, absmax, codebook, scale, k: int, N: int, K: int, bias, out,
-    *, config=None, splits=None, deterministic: bool = False,
+    *, config=None, splits=None, workers=None, deterministic: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """``gemm_mma`` over the weight's tensors (the weight's own consistency is the caller's:
     ``ops.check_weight``)."""
@@ -172,11 +207,12 @@ def launch(
         for r0 in range(0, M, rows):
             launch(
                 A2d[r0 : r0 + rows], packed, absmax, codebook, scale, k, N, K, bias,
-                out[r0 : r0 + rows], config=config, splits=splits, deterministic=deterministic,
+                out[r0 : r0 + rows], config=config, splits=splits, workers=workers,
+                deterministic=deterministic,
             )  # fmt: skip
         return out
     dev = A2d.get_device()
-    cfg, splits = _resolve(M, N, K, k, dev, config, splits)
+    cfg, workers = _resolve(M, N, K, k, dev, config, splits, workers)
     fn = _launchers.get((k, _DTYPES[dtype], cfg.name))
     if fn is None:
         fn = _launchers[(k, _DTYPES[dtype], cfg.name)] = launcher(gemm_spec(k, _DTYPES[dtype], cfg))
@@ -185,13 +221,18 @@ def launch(
     if bufs is None:
         bufs = _buffers[(dev, stream)] = _SplitKBuffers(dev)
     tiles = -(-M // cfg.tile_m) * -(-N // cfg.tile_n)
-    slab = tiles * cfg.tile_m * cfg.tile_n
-    splits = min(splits, max(1, (_MAX_ELEMS - 1) // slab))  # int32 workspace offsets
-    atomic = splits > 1 and not deterministic
-    if splits == 1:  # the kernel reads no workspace and no counter: pass any buffer
+    tile_elems = cfg.tile_m * cfg.tile_n
+    # Ordered partials: two slots per worker (the first and last tile of its run); atomic
+    # sums: one per tile. int32 offsets, 32-bit run bounds.
+    workers = max(1, min(workers, (_MAX_ELEMS - 1) // (2 * tile_elems)))
+    check_run_bounds(tiles * -(-K // cfg.tile_k), workers)
+    handover = hands_over(M, N, cfg, workers)
+    atomic = handover and not deterministic
+    if not handover:  # the kernel reads no workspace and no counter: pass any buffer
         ws, counters = bufs.get(0, 0, atomic)
     else:
-        ws, counters = bufs.get(slab if atomic else slab * splits, tiles, atomic)
+        ws_elems = tiles * tile_elems if atomic else 2 * workers * tile_elems
+        ws, counters = bufs.get(ws_elems, tiles, atomic)
 
     if not A2d.is_contiguous():
         A2d = A2d.contiguous()
@@ -201,7 +242,7 @@ def launch(
         bias = bias.contiguous()
     args = [
         A2d, packed, absmax, codebook, scale, bias if has_bias else dst, dst, ws, counters,
-        M, N, K, splits, int(has_bias), int(atomic),
+        M, N, K, workers, int(has_bias), int(atomic),
     ]  # fmt: skip
     try:
         fn(*args)
@@ -214,37 +255,62 @@ def launch(
     return out
 
 
-def _resolve(M, N, K, k, dev, config, splits) -> tuple[GemmConfig, int]:
-    """(config, splits): the caller's, or the table's for this shape (cached per shape)."""
-    if config is None and splits is None:
+def dispatch_plan(M: int, N: int, K: int, k: int, dev: int) -> tuple[GemmConfig, int]:
+    """(config, workers) that ``gemm_mma`` launches for this problem on CUDA device ``dev``."""
+    return _resolve(M, N, K, k, dev, None, None, None)
+
+
+def hands_over(M: int, N: int, cfg: GemmConfig, workers: int) -> bool:
+    """Whether runs of ``workers`` CTAs end inside output tiles (then they hand over through
+    the split-K workspace; else each CTA holds whole tiles)."""
+    tiles = -(-M // cfg.tile_m) * -(-N // cfg.tile_n)
+    return tiles % workers != 0
+
+
+def _resolve(M, N, K, k, dev, config, splits, workers) -> tuple[GemmConfig, int]:
+    """(config, workers): the caller's, or the table's for this shape (cached per shape)."""
+    if config is None and splits is None and workers is None:
         key = (k, N, K, M, dev)
         got = _plans.get(key)
         if got is None:
-            props = _device.check_device(dev)
-            cfg, splits = plan(M, N, K, k, props.sm_count, props.l2_bytes)
-            got = _plans[key] = (_fitting(cfg, k, props), splits)
-            _check_smem(got[0], k, props)
+            got = _plans[key] = _table_workers(M, N, K, k, _device.check_device(dev), None)
         return got
+    if splits is not None and workers is not None:
+        raise ValueError("pass splits or workers, not both")
     props = _device.check_device(dev)
     if config is None:
-        cfg = _fitting(plan(M, N, K, k, props.sm_count, props.l2_bytes)[0], k, props)
+        cfg = None
     elif isinstance(config, str):
         cfg = GemmConfig.parse(config)
     elif isinstance(config, GemmConfig):
         cfg = config
     else:
         raise TypeError(f"config must be a GemmConfig or its name, got {type(config).__name__}")
-    problems = GemmKernel.problems(k, "f16", cfg)
-    if problems:
-        raise ValueError(f"GEMM config {cfg.name}: " + "; ".join(problems))
+    if cfg is not None:
+        problems = GemmKernel.problems(k, "f16", cfg)
+        if problems:
+            raise ValueError(f"GEMM config {cfg.name}: " + "; ".join(problems))
+    cfg, planned = _table_workers(M, N, K, k, props, cfg)
+    units = -(-M // cfg.tile_m) * -(-N // cfg.tile_n) * -(-K // cfg.tile_k)
+    for name, v in (("splits", splits), ("workers", workers)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if splits is not None:
+        # Whole tiles times splits: runs of k_iters / splits slices (capped at one slice).
+        k_iters = -(-K // cfg.tile_k)
+        return cfg, units // k_iters * min(splits, k_iters)
+    if workers is not None:
+        return cfg, min(workers, units)  # a worker of no unit would only wait
+    return cfg, planned
+
+
+def _table_workers(M, N, K, k, props, cfg: GemmConfig | None) -> tuple[GemmConfig, int]:
+    """The table's tiling (or ``cfg``), fitted to this GPU, and the table's worker count."""
+    name, ctas_per_sm, max_splits = table_rule(k, M, weight_over_l2(N, K, k, props.l2_bytes))
+    cfg = _fitting(GemmConfig.parse(name) if cfg is None else cfg, k, props)
     _check_smem(cfg, k, props)
-    if splits is None:
-        over_l2 = weight_over_l2(N, K, k, props.l2_bytes)
-        _, ctas_per_sm, max_splits = table_rule(k, M, over_l2)
-        splits = choose_splits(M, N, K, cfg, props.sm_count, ctas_per_sm, max_splits)
-    if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= 65535:
-        raise ValueError(f"splits must be an int in 1..65535, got {splits!r}")
-    return cfg, splits
+    resident = resident_ctas(cfg, k, props.smem_per_sm)
+    return cfg, plan_workers(M, N, K, cfg, props.sm_count, ctas_per_sm, max_splits, resident)
 
 
 def _fitting(cfg: GemmConfig, k: int, props) -> GemmConfig:

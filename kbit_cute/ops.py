@@ -299,7 +299,7 @@ def kernel_grid(kernel, N: int, K: int, sm_count: int, workers: int | None = Non
     """(workers, CTAs) of a ``GemvKernel``: column tiles x ``gemv_splits`` workers unless
     given, as many splits as fit the resident quads (one wave; the kernel's CTAs per SM
     come from its CTA size, registers and shared memory)."""
-    from .kernels.gemv import check_run_bounds
+    from .kernels.device_helpers import check_run_bounds
 
     slots = sm_count * kernel.ctas_per_sm
     n_tiles = -(-N // 128)

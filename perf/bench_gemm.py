@@ -5,9 +5,10 @@ HBM, CUDA-graph replays timed with CUDA events, median of >= 7 replays, read ban
 cuBLAS matmul peak measured in the same run):
 
 * report (default): for each shape (K x N), k and M, the dispatched kernel (table config and
-  splits) against cuBLAS fp16 ``F.linear`` and dequantize + cuBLAS; us, TFLOP/s, weight GB/s
+  workers) against cuBLAS fp16 ``F.linear`` and dequantize + cuBLAS; us, TFLOP/s, weight GB/s
   and speedups. Qwen3-Coder-Next shapes at M = 16, 32 too.
-* ``--tune``: every candidate tiling x split target per M bucket and shape, then
+* ``--tune``: every candidate tiling x worker density (CTAs per SM, ``plan_workers``) per
+  M bucket and shape (``--candidates table``: only the table's tiling per bucket), then
   ``--write-table`` turns the measurements into ``kbit_cute/kernels/gemm_table.py``
   (the fastest candidate per (k, M bucket) by geometric mean over the shapes; where
   dequantize + cuBLAS is faster, CUBLAS_FROM_M). Tune one k per command to stay within
@@ -71,7 +72,7 @@ BUCKETS = [
     (256, [256], _LARGE_TILES),
     (1 << 31, [1024, 4096], _LARGE_TILES),
 ]  # fmt: skip
-CTAS_PER_SM = [1, 2, 4]
+CTAS_PER_SM = [1, 2, 3, 4]
 MAX_SPLITS = 16
 REUSE_SLACK = 1.03  # prefer a config another bucket already uses when within 3%
 
@@ -123,14 +124,17 @@ class Bench:
 
         return graph_time_us(call, len(qws))
 
-    def kernel(self, M: int, k: int, config=None, splits=None, deterministic=False) -> float:
+    def kernel(
+        self, M: int, k: int, config=None, splits=None, workers=None, deterministic=False
+    ) -> float:
         A, out = self.inputs(M)
         qws = self.qws[k]
 
         def call(i):
             return lambda: gd.gemm_mma(
-                A, qws[i], None, out, config=config, splits=splits, deterministic=deterministic
-            )
+                A, qws[i], None, out, config=config, splits=splits, workers=workers,
+                deterministic=deterministic,
+            )  # fmt: skip
 
         return graph_time_us(call, len(qws))
 
@@ -141,7 +145,10 @@ class Bench:
 # ----------------------------------------------------------------------------- tune
 
 
-def tune(ks, shapes, sm_count: int, log) -> list[dict]:
+def tune(ks, shapes, sm_count: int, log, table_only: bool = False) -> list[dict]:
+    from kbit_cute.kernels import gemm_table
+
+    props = device_props(torch.cuda.current_device())
     records = []
     for K, N in shapes:
         b = Bench(K, N, ks)
@@ -151,23 +158,28 @@ def tune(ks, shapes, sm_count: int, log) -> list[dict]:
                     t_dq = b.dequant_cublas(M, k)
                     base = dict(K=K, N=N, k=k, M=M, m_max=m_max)
                     records.append(dict(base, impl="dequant_cublas", us=t_dq))
-                    timed: dict[tuple[str, int], float] = {}  # targets giving one split count
+                    timed: dict[tuple[str, int], float] = {}  # densities giving one grid
+                    if table_only:
+                        names = [next(r[1] for r in gemm_table.RULES[k] if r[0] >= m_max)]
                     for name in names:
                         cfg = GemmConfig.parse(name)
-                        if not GemmKernel.can_implement(k, "f16", cfg):
+                        if not GemmKernel.can_implement(k, "f16", cfg, props.smem_per_block_optin):
                             continue
+                        resident = gd.resident_ctas(cfg, k, props.smem_per_sm)
                         for ctas in CTAS_PER_SM:
-                            splits = gd.choose_splits(M, N, K, cfg, sm_count, ctas, MAX_SPLITS)
-                            if (name, splits) not in timed:
+                            workers = gd.plan_workers(
+                                M, N, K, cfg, sm_count, ctas, MAX_SPLITS, resident
+                            )
+                            if (name, workers) not in timed:
                                 try:
-                                    timed[(name, splits)] = b.kernel(M, k, name, splits)
+                                    timed[(name, workers)] = b.kernel(M, k, name, workers=workers)
                                 except Exception as exc:  # recorded, never silently dropped
                                     log(
                                         f"  {K}x{N} k={k} M={M} {name}: {type(exc).__name__}: {exc}"
                                     )
-                                    timed[(name, splits)] = math.inf
+                                    timed[(name, workers)] = math.inf
                             records.append(dict(base, impl="kernel", config=name, ctas_per_sm=ctas,
-                                                splits=splits, us=timed[(name, splits)]))  # fmt: skip
+                                                workers=workers, us=timed[(name, workers)]))  # fmt: skip
                     best = min(timed.values())
                     log(
                         f"{K}x{N} k={k} M={M}: best kernel {best:.1f} us, dequant+cuBLAS {t_dq:.1f} us"
@@ -250,12 +262,12 @@ def write_table(rules: dict, cublas_from: dict, gpu: str, command: str, path: Pa
         '"""Dispatch table of the mma.sync GEMM (``kbit_cute.gemm_dispatch``).',
         "",
         "Measured: written by perf/bench_gemm.py from L2-cold CUDA-graph timings of every",
-        "candidate tiling x split-K target on the shapes of its SHAPES list (geometric mean per",
+        "candidate tiling x worker density on the shapes of its SHAPES list (geometric mean per",
         "(k, M bucket)); regenerate with the command below and commit the result.",
         "",
-        "RULES[k]: rows (m_max, config name, target CTAs per SM, max splits); the first row with",
-        "M <= m_max applies. CUBLAS_FROM_M[k]: smallest M from which dequantize + cuBLAS was",
-        "measured faster than the kernel (None: the kernel always won).",
+        "RULES[k]: rows (m_max, config name, CTAs per SM, max splits: ``plan_workers``); the",
+        "first row with M <= m_max applies. CUBLAS_FROM_M[k]: smallest M from which dequantize",
+        "+ cuBLAS was measured faster than the kernel (None: the kernel always won).",
         '"""',
         "",
         f"PROVISIONAL = {bool(partial)}" + (f"  # k = {partial} not measured" if partial else ""),
@@ -278,7 +290,6 @@ def write_table(rules: dict, cublas_from: dict, gpu: str, command: str, path: Pa
 
 
 def report(ks, shapes, Ms, bw: float, tflops: float, sm_count: int, log, deterministic_too: bool):
-    l2_bytes = device_props(torch.cuda.current_device()).l2_bytes  # what the dispatcher reads
     rows, records = [], []
     for K, N in shapes:
         b = Bench(K, N, ks)
@@ -286,30 +297,30 @@ def report(ks, shapes, Ms, bw: float, tflops: float, sm_count: int, log, determi
             t_cb = b.cublas(M)
             flops = 2 * M * K * N
             for k in ks:
-                cfg, splits = gd.plan(M, N, K, k, sm_count, l2_bytes)
+                cfg, workers = gd.dispatch_plan(M, N, K, k, torch.cuda.current_device())
                 t = b.kernel(M, k)
-                t_det = (
-                    b.kernel(M, k, deterministic=True) if deterministic_too and splits > 1 else t
-                )
+                t_det = t
+                if deterministic_too and gd.hands_over(M, N, cfg, workers):
+                    t_det = b.kernel(M, k, deterministic=True)
                 t_dq = b.dequant_cublas(M, k)
                 path = "dequant+cuBLAS" if gd.prefer_cublas(M, k) else "kernel"
                 t_path = t_dq if path != "kernel" else t
                 wb = b.weight_bytes(k)
-                rec = dict(K=K, N=N, k=k, M=M, config=cfg.name, splits=splits, kernel_us=t,
+                rec = dict(K=K, N=N, k=k, M=M, config=cfg.name, workers=workers, kernel_us=t,
                            kernel_det_us=t_det, dequant_cublas_us=t_dq, cublas_us=t_cb,
                            dispatched=path, dispatched_us=t_path, tflops=flops / (t * 1e6),
                            weight_gbs=wb / (t * 1e3), floor_us=wb / (bw * 1e3),
                            speedup=t_cb / t_path)  # fmt: skip
                 records.append(rec)
-                rows.append([f"{K}x{N}", k, M, cfg.name, splits, f"{t:.1f}", f"{t_det:.1f}",
+                rows.append([f"{K}x{N}", k, M, cfg.name, workers, f"{t:.1f}", f"{t_det:.1f}",
                              f"{flops / (t * 1e6):.0f}", f"{wb / (t * 1e3):.0f}",
                              f"{100 * wb / (t * 1e3) / bw:.0f}%", f"{t_dq:.1f}", f"{t_cb:.1f}",
                              f"{t_cb / t:.2f}x", path, f"{t_cb / t_path:.2f}x"])  # fmt: skip
-                log(f"{K}x{N} k={k} M={M}: {t:.1f} us ({cfg.name}, {splits} splits), "
+                log(f"{K}x{N} k={k} M={M}: {t:.1f} us ({cfg.name}, {workers} CTAs), "
                     f"cuBLAS {t_cb:.1f}, dequant+cuBLAS {t_dq:.1f}")  # fmt: skip
         del b
         torch.cuda.empty_cache()
-    headers = ["KxN", "k", "M", "config", "splits", "kernel us", "determ. us", "TFLOP/s",
+    headers = ["KxN", "k", "M", "config", "CTAs", "kernel us", "determ. us", "TFLOP/s",
                "weight GB/s", "% read BW", "dequant+cuBLAS us", "cuBLAS us", "kernel vs cuBLAS",
                "dispatched", "dispatched vs cuBLAS"]  # fmt: skip
     return rows, headers, records
@@ -322,10 +333,12 @@ def main(argv=None) -> None:
     p.add_argument("--shapes", nargs="+", default=None, help="KxN (default: the issue's five)")
     p.add_argument("--no-qwen", action="store_true", help="report: skip Qwen3-Coder-Next shapes")
     p.add_argument("--tune", action="store_true", help="sweep candidate configs (see above)")
+    p.add_argument("--candidates", choices=["all", "table"], default="all",
+                   help="--tune: every candidate tiling, or the table's per bucket")  # fmt: skip
     p.add_argument("--write-table", action="store_true", help="with --tune: write the table")
     p.add_argument("--write-table-from", nargs="+", type=Path, help="tune JSONs -> the table")
     p.add_argument("--deterministic", action="store_true",
-                   help="report: also time deterministic split-K where splits > 1")  # fmt: skip
+                   help="report: also time the deterministic hand-over where CTAs share tiles")  # fmt: skip
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     command = "python -m perf.bench_gemm " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -357,7 +370,7 @@ def main(argv=None) -> None:
     out_dir = Path(os.environ.get("OUT", "."))
     t0 = time.time()
     if args.tune:
-        records = tune(args.k, shapes, sm_count, log)
+        records = tune(args.k, shapes, sm_count, log, args.candidates == "table")
         path = args.json or out_dir / f"tune_gemm_k{''.join(map(str, args.k))}.json"
         path.write_text(json.dumps(dict(gpu=gpu, sm_count=sm_count, command=command,
                                         records=records), indent=1))  # fmt: skip

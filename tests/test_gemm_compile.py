@@ -173,10 +173,32 @@ def test_splits_fill_the_sms_within_the_limits():
     assert gd.choose_splits(5, 128, 32, cfg, 132, 4, 16) == 1  # one K slice: no split
 
 
+def test_stream_k_workers_fill_the_sms_evenly():
+    cfg = g.GemmConfig.parse("m16n128k128s3w1x4")
+    # 8192 x 28672, M = 16: 224 tiles x 64 K slices in 2 x 132 equal runs (a grid of whole
+    # tiles would leave 40 of 264 slots empty, or split every tile into 2 CTAs).
+    assert gd.plan_workers(16, 28672, 8192, cfg, 132, 2, 16) == 264
+    assert gd.plan_workers(16, 28672, 8192, cfg, 132, 2, 16, resident=1) == 132
+    assert gd.plan_workers(16, 28672, 8192, cfg, 132, 4, 16, resident=0) == 132
+    # 2048 x 512: 4 tiles x 16 K slices; at most 16 CTAs per tile, each >= 2 slices.
+    assert gd.plan_workers(16, 512, 2048, cfg, 132, 4, 16) == 4 * 16 // 2
+    assert gd.plan_workers(16, 512, 2048, cfg, 132, 4, 4) == 16
+    assert gd.plan_workers(5, 128, 32, cfg, 132, 4, 16) == 1  # one K slice: one CTA
+    # Several M tiles: whole tiles x the split-K count (weight tiles shared in time).
+    assert gd.plan_workers(100, 28672, 8192, cfg, 132, 1, 16) == 7 * 224
+    assert gd.plan_workers(40, 4096, 14336, cfg, 132, 1, 16) == 3 * 32 * 2
+    assert not gd.hands_over(40, 4096, cfg, 3 * 32)
+    assert gd.hands_over(16, 28672, cfg, 264) and gd.hands_over(16, 28672, cfg, 132)
+    assert not gd.hands_over(16, 28672, cfg, 112)  # runs of 2 whole tiles
+    big = g.GemmConfig.parse("m64n256k64s3w1x8l")
+    assert gd.resident_ctas(big, 5, 228 * 1024) == 1
+    assert gd.resident_ctas(cfg, 2, 228 * 1024) >= 4
+
+
 def test_plan_and_cublas_threshold():
     for k in KS:
-        cfg, splits = gd.plan(17, 5120, 2048, k, 132)
-        assert cfg.tile_m >= 16 and splits >= 1
+        cfg, workers = gd.plan(17, 5120, 2048, k, 132)
+        assert cfg.tile_m >= 16 and workers >= 1
         assert cfg in gd.table_configs(k)
         m0 = gemm_table.CUBLAS_FROM_M[k]
         assert gd.prefer_cublas(8, k) is False

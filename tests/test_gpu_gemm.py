@@ -92,9 +92,10 @@ def test_every_tile_config(name, weights):
     qw = weights(K, N, k)
     A = torch.randn(100, K, device="cuda", dtype=torch.float16)
     ref = reference(A, qw)
-    for splits in (1, 3):
-        got = run(A, qw, config=name, splits=splits, deterministic=splits == 3)
-        assert rel_err(got, ref) < TOL[torch.float16], splits
+    for splits, workers in ((1, None), (3, None), (None, 23)):
+        det = splits == 3
+        got = run(A, qw, config=name, splits=splits, workers=workers, deterministic=det)
+        assert rel_err(got, ref) < TOL[torch.float16], (splits, workers)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -121,6 +122,24 @@ def test_split_k_deterministic_mode_is_bit_identical(splits, weights):
         assert torch.equal(run(A, qw, splits=splits, deterministic=True), first)
     atomic = run(A, qw, splits=splits, deterministic=False)
     assert rel_err(atomic, reference(A, qw)) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("workers", [2, 7, 31, 40, 131, 10_000])
+def test_stream_k_runs_that_end_inside_tiles(workers, weights):
+    """Runs of every length against the tiles (2048 x 520 at M = 20: 5 tiles of 32 x 128,
+    32 K slices of 64 each): partials handed over in both modes, deterministic
+    bit-identical; more workers than units are capped at one unit each."""
+    K, N, k = 2048, 520, 5
+    qw = weights(K, N, k)
+    A = torch.randn(20, K, device="cuda", dtype=torch.float16)
+    ref = reference(A, qw)
+    cfg = "m32n128k64s4w1x4"
+    first = run(A, qw, config=cfg, workers=workers, deterministic=True)
+    assert rel_err(first, ref) < TOL[torch.float16]
+    for _ in range(3):
+        assert torch.equal(run(A, qw, config=cfg, workers=workers, deterministic=True), first)
+    atomic = run(A, qw, config=cfg, workers=workers)
+    assert rel_err(atomic, ref) < TOL[torch.float16]
 
 
 def test_workspace_and_counters_survive_changing_shapes(weights):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 
@@ -442,3 +442,46 @@ def sum_split_partials(first: cute.Pointer, stride: Int32, splits: Int32) -> Flo
         for j in cutlass.range_constexpr(SPLIT_LOADS):
             v = v + parts[j]  # + 0.0 past the last split leaves v unchanged
     return v
+
+
+# ----------------------------------------------------------------------------- stream-K
+
+
+# Stream-K run bounds in 32-bit unsigned arithmetic: a 64-bit division is a subroutine
+# call, in the prologue and on the split-K hand-over's path (the GEMV: 0.1-0.5 us per call).
+# The GEMV's and the GEMM's units x worker slots < 2^32 (the host checks, ``check_run_bounds``).
+# ``wide`` (the grouped stream kernel, whose unit count depends on the routing): 32 bits
+# where the product fits, checked at run time, else 64.
+MAX_UNITS_X_WORKERS = 1 << 32
+
+
+def check_run_bounds(units: int, workers: int) -> None:
+    """Raise unless the 32-bit run arithmetic holds ``units`` x ``workers`` (worker
+    slots: CTAs x quads, idle ones included)."""
+    if units * workers >= MAX_UNITS_X_WORKERS:
+        raise ValueError(
+            f"{units} (column tile, K tile) units x {workers} stream-K worker slots >= 2^32: "
+            "the problem is too large for one launch; split it along N"
+        )
+
+
+@cute.jit
+def _div_runs(x: Int64, d, wide: cutlass.Constexpr[bool]) -> Int32:
+    """x // d for run bounds (x >= 0, 0 < d < 2^31): 32-bit unless ``wide`` and x >= 2^32."""
+    q = Int32(Uint32(x) // Uint32(d))
+    if cutlass.const_expr(wide):
+        if x >= Int64(MAX_UNITS_X_WORKERS):
+            q = Int32(x // Int64(d))
+    return q
+
+
+@cute.jit
+def run_start(w, units, workers, wide: cutlass.Constexpr[bool] = False) -> Int32:
+    """First unit of worker w's run: runs split ``units`` into ``workers`` equal parts."""
+    return _div_runs(Int64(w) * Int64(units), workers, wide)
+
+
+@cute.jit
+def worker_of(u, units, workers, wide: cutlass.Constexpr[bool] = False) -> Int32:
+    """The worker whose run holds unit u (the inverse of ``run_start``)."""
+    return _div_runs(Int64(u) * Int64(workers) + Int64(workers - 1), units, wide)

@@ -1,8 +1,9 @@
 """GEMM for M >= 5 (``kbit_cute.gemm`` sends it M > 8) with mma.sync: out[M, N] = A[M, K] @
 W^T, W in the tiled kbit format.
 
-Mainloop (after the CUTLASS Ampere multistage GEMM, tensorop_gemm.py): a CTA owns a
-TILE_M x TILE_N output tile and a contiguous range of TILE_K slices of K (split-K).
+Mainloop (after the CUTLASS Ampere multistage GEMM, tensorop_gemm.py) over a stream-K
+schedule: the (TILE_M x TILE_N output tile, TILE_K slice of K) units are split into equal
+runs, one per CTA; a run is the end of one tile's K, whole tiles, and the start of another's.
 
 * A and B tiles go global -> shared with 16-byte ``cp.async`` into a ring of ``stages``
   buffers (``commit_group`` / ``wait_group(stages - 2)``). A is swizzled for
@@ -26,11 +27,11 @@ TILE_M x TILE_N output tile and a contiguous range of TILE_K slices of K (split-
   ahead), A fragments are loaded one k16 step ahead, and the next stage is waited for on
   the last k16 step of the current one, as in the CUTLASS multistage mainloop.
 * Epilogue: fp32 accumulators x per-tensor scale (+ bias) -> shared memory -> 16-byte
-  coalesced stores. With split-K every CTA writes its fragment (thread-major, coalesced)
-  to a workspace and counts itself in on a per-tile counter; the last CTA of a tile sums
-  the partials in split order (``deterministic``: bit-identical run to run), or, in atomic
-  mode, all CTAs ``red.add`` into a zeroed workspace that the last one reads and re-zeroes.
-  Counters are reset by the last CTA too: no memset is ever needed between calls.
+  coalesced stores. Where runs meet in a tile, every CTA writes its fragment (thread-major,
+  coalesced) to a workspace slot and counts itself in on the tile's counter; the last CTA
+  sums the partials in worker order (``deterministic``: bit-identical run to run), or, in
+  atomic mode, all CTAs ``red.add`` into a zeroed workspace that the last one reads and
+  re-zeroes. Counters are reset by the last CTA too: no memset is ever needed between calls.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ from .device_helpers import (
     mul_x2,
     pair_offsets,
     prmt,
+    run_start,
     split_k_arrive,
+    worker_of,
 )
 
 # Repack tile sizes, in the units the kernel copies.
@@ -208,22 +211,16 @@ class GemmKernel:
         M: Int32,
         N: Int32,
         K: Int32,  # a multiple of 32
-        splits: Int32,
+        workers: Int32,  # CTAs of the stream-K schedule, <= its units (host: plan_workers)
         has_bias: Int32,
         atomic: Int32,  # 0: ordered split-K reduction (deterministic), 1: red.add
         stream: cuda.CUstream,
     ):
-        cfg = self.cfg
         K = cute.assume(K, divby=BLOCK)
-        m_ctas = (M + cfg.tile_m - 1) // cfg.tile_m
-        n_ctas = (N + cfg.tile_n - 1) // cfg.tile_n
-        # m tiles fastest: the CTAs that share a weight tile run together (one HBM read).
         self.kernel(
             pA, pPacked, pAbsmax, pCodebook, pScale, pBias, pOut, pWorkspace, pCounters,
-            M, N, K, splits, has_bias, atomic,
-        ).launch(
-            grid=[m_ctas, n_ctas, splits], block=[self.threads, 1, 1], stream=stream
-        )  # fmt: skip
+            M, N, K, workers, has_bias, atomic,
+        ).launch(grid=[workers, 1, 1], block=[self.threads, 1, 1], stream=stream)  # fmt: skip
 
     # ------------------------------------------------------------------------- device
 
@@ -242,17 +239,41 @@ class GemmKernel:
         M: Int32,
         N: Int32,
         K: Int32,
-        splits: Int32,
+        workers: Int32,
         has_bias: Int32,
         atomic: Int32,
     ):
-        m_cta, n_cta, split = cute.arch.block_idx()
-        m_ctas = (M + self.cfg.tile_m - 1) // self.cfg.tile_m
+        cfg = self.cfg
+        worker, _, _ = cute.arch.block_idx()
+        # Stream-K: the (output tile, K slice) units, K slices fastest and output tiles m
+        # fastest (the CTAs that share a weight tile run together: one HBM read), are split
+        # into ``workers`` equal runs, one per CTA. A run covers the end of one tile, whole
+        # tiles, and the start of another; the workers that meet in a tile hand over
+        # through the split-K workspace (``epilogue``). Every SM gets the same work, where
+        # a grid of whole tiles leaves the last wave partly empty.
+        m_ctas = (M + cfg.tile_m - 1) // cfg.tile_m
+        k_iters = (K + cfg.tile_k - 1) // cfg.tile_k
+        units = m_ctas * ((N + cfg.tile_n - 1) // cfg.tile_n) * k_iters
+        u_begin = run_start(worker, units, workers)
+        u_end = run_start(worker + 1, units, workers)
         base_u8 = self.allocate_tile_smem(SmemAllocator())
-        self.tile(
-            base_u8, pA, pPacked, pAbsmax, pCodebook, pScale, pBias, pOut, pWorkspace,
-            pCounters, M, N, K, splits, has_bias, atomic, m_cta, n_cta, split, m_ctas,
-        )  # fmt: skip
+        self.build_pair_table(pCodebook, base_u8 + self.plan["table"])
+        t_first = u_begin // k_iters
+        for t in cutlass.range(t_first, (u_end - 1) // k_iters + 1, unroll=1):
+            t_units = t * k_iters
+            # Workers whose runs meet tile t: w_lo holds its first K slice, w_hi its last.
+            # w_lo's partial is in slot 2 w_lo if its run starts in this tile, else in
+            # 2 w_lo + 1 (its last tile); every later worker starts here: slot 2 w.
+            w_lo = worker_of(t_units, units, workers)
+            w_hi = worker_of(t_units + k_iters - 1, units, workers)
+            first_slot = 2 * w_lo + 1 - Int32(run_start(w_lo, units, workers) >= t_units)
+            handover = (w_hi - w_lo + 1, 2 * worker + Int32(t != t_first), first_slot)
+            self.tile(
+                base_u8, pA, pPacked, pAbsmax, pScale, pBias, pOut, pWorkspace, pCounters,
+                M, N, K, has_bias, atomic, t % m_ctas, t // m_ctas, t,
+                cutlass.max(u_begin - t_units, 0), cutlass.min(u_end - t_units, k_iters),
+                handover,
+            )  # fmt: skip
 
     def allocate_tile_smem(self, smem: SmemAllocator):
         """The shared memory ``tile`` works in (``plan["total"]`` bytes), as bytes."""
@@ -262,19 +283,17 @@ class GemmKernel:
 
     @cute.jit
     def tile(
-        self, base_u8, pA, pPacked, pAbsmax, pCodebook, pScale, pBias, pOut, pWorkspace,
-        pCounters, M, N, K, splits, has_bias, atomic, m_cta, n_cta, split, m_ctas,
+        self, base_u8, pA, pPacked, pAbsmax, pScale, pBias, pOut, pWorkspace, pCounters,
+        M, N, K, has_bias, atomic, m_cta, n_cta, tile, kt_begin, kt_end, handover,
     ):  # fmt: skip
-        """One CTA's output tile (m_cta, n_cta) over its split's K slices, from the shared
-        memory at ``base_u8`` (``plan["total"]`` bytes): the mainloop and the epilogue."""
+        """Output tile ``tile`` = (m_cta, n_cta) over K slices [kt_begin, kt_end) (units of
+        tile_k), in the shared memory at ``base_u8`` (``plan["total"]`` bytes; the pair
+        table built): the mainloop, then the epilogue with the split-K ``handover``."""
         cfg, k, plan = self.cfg, self.k, self.plan
         tidx, _, _ = cute.arch.thread_idx()
-
-        # K slices of this split: [kt_begin, kt_end) in units of TILE_K.
-        k_iters = (K + cfg.tile_k - 1) // cfg.tile_k
-        kt_begin = split * k_iters // splits
-        kt_end = (split + 1) * k_iters // splits
         n_iter = kt_end - kt_begin
+        # The previous tile's epilogue may still read the union the prologue refills.
+        cute.arch.sync_threads()
 
         # ---- shared memory: [pipeline stages | epilogue tile] union, pair table, flag
         sA = cute.make_tensor(
@@ -286,8 +305,6 @@ class GemmKernel:
         sFlag = cute.make_tensor(
             cute.recast_ptr(base_u8 + plan["flag"], dtype=Int32), cute.make_layout(1)
         )
-
-        self.build_pair_table(pCodebook, sTable_u8)
 
         # ---- MMA partitions: warps tile (M, N) as (warps_m, warps_n)
         tiled_mma = self.make_tiled_mma()
@@ -377,7 +394,7 @@ class GemmKernel:
 
         self.epilogue(
             thr_mma, tCrC, base_u8, sFlag, pScale, pBias, pOut, pWorkspace, pCounters,
-            M, N, splits, split, has_bias, atomic, m_cta, n_cta, m_ctas,
+            M, N, has_bias, atomic, m_cta, n_cta, tile, handover,
         )  # fmt: skip
 
     # ------------------------------------------------------------------------- layouts
@@ -646,21 +663,24 @@ class GemmKernel:
     @cute.jit
     def epilogue(
         self, thr_mma, tCrC, base_u8, sFlag, pScale, pBias, pOut, pWorkspace,
-        pCounters, M, N, splits, split, has_bias, atomic, m_cta, n_cta, m_ctas,
+        pCounters, M, N, has_bias, atomic, m_cta, n_cta, tile, handover,
     ):  # fmt: skip
-        """Split-K reduction (if any), then scale (+ bias) and the coalesced store."""
+        """Split-K hand-over, then scale (+ bias) and the coalesced store. ``handover`` =
+        (arrivals, my_slot, first_slot): the workers meeting in this tile (1: this CTA holds
+        all of K and stores), this CTA's partial slot, and the first worker's slot (the
+        later workers' slots follow 2 apart: ``kernel``)."""
         tidx, _, _ = cute.arch.thread_idx()
         T = self.threads
         V = cute.size(tCrC)
         acc = cute.make_tensor(tCrC.iterator, cute.make_layout(V))  # flat view
-        tile = m_cta + m_ctas * n_cta
+        arrivals, my_slot, first_slot = handover
         do_store = Int32(1)
-        if splits > 1:
+        if arrivals > 1:
             # Workspace rows of 4 fp32 per thread, thread-major: every access is a
-            # coalesced 16-byte vector. Ordered: [tile][split][V/4][T][4]; atomic: [tile][...].
+            # coalesced 16-byte vector. Ordered: [slot][V/4][T][4]; atomic: [tile][...].
             slab = V * T
             if atomic == 0:
-                mine = (tile * splits + split) * slab
+                mine = my_slot * slab
                 for v4 in cutlass.range_constexpr(V // 4):
                     off = cute.assume(mine + (v4 * T + tidx) * 4, divby=4)
                     dst = cute.make_tensor(pWorkspace + off, cute.make_layout(4))
@@ -678,12 +698,16 @@ class GemmKernel:
                         scope="gpu",
                     )
             # The last CTA of the tile reduces and stores.
-            do_store = split_k_arrive(pCounters + tile, splits, sFlag)
+            do_store = split_k_arrive(pCounters + tile, arrivals, sFlag)
             if do_store != 0:
                 if atomic == 0:
                     acc.fill(0.0)
-                    for sp in cutlass.range(splits, unroll=1):  # fixed order: deterministic
-                        theirs = (tile * splits + sp) * slab
+                    later = first_slot - first_slot % 2  # slot of the first worker, - 2
+                    for i in cutlass.range(arrivals, unroll=1):  # worker order: deterministic
+                        slot = first_slot
+                        if i > 0:
+                            slot = later + 2 * i
+                        theirs = slot * slab
                         for v4 in cutlass.range_constexpr(V // 4):
                             off = cute.assume(theirs + (v4 * T + tidx) * 4, divby=4)
                             vals = self.load_cg4(pWorkspace + off)

@@ -47,7 +47,7 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, Uint32
+from cutlass import Float32, Int32, Uint32
 from cutlass.memory import SmemAllocator
 
 from ..format import BLOCK, BLOCKS_PER_TILE_K, TILE_K, TILE_N
@@ -67,8 +67,10 @@ from .device_helpers import (
     planes_to_fields,
     prefetch_l2,
     prmt,
+    run_start,
     scaled_byte_tables,
     warp_split_arrive,
+    worker_of,
 )
 
 WARPS = 4
@@ -139,7 +141,7 @@ class GemvKernel:
     # zeros, which costs a kernel registers across the K loop (the grouped grid kernel's
     # gate/up spilled): it turns this off.
     REAL_ROWS_ONLY = True
-    # Stream-K run bounds in 64-bit arithmetic (``_run_start``); the GEMV's fit 32 bits.
+    # Stream-K run bounds in 64-bit arithmetic (``run_start``); the GEMV's fit 32 bits.
     WIDE_RUNS = False
 
     def __init__(
@@ -319,8 +321,8 @@ class GemvKernel:
         # every SM that has a CTA.
         worker = quad * ctas + cta
         units = n_tiles * k_tiles
-        u_begin = _run_start(worker, units, workers)
-        u_end = _run_start(worker + 1, units, workers)
+        u_begin = run_start(worker, units, workers)
+        u_end = run_start(worker + 1, units, workers)
         nt_first = u_begin // k_tiles
         rows = (Int32(0), M)
         # The launch overlaps the previous kernel's tail (programmatic dependent launch):
@@ -770,8 +772,8 @@ class GemvKernel:
         lane = cute.arch.lane_idx()
         # Workers whose runs meet this strip: w_lo holds its first K tile, w_hi its last.
         wide = self.WIDE_RUNS
-        w_lo = _worker_of(strip * k_tiles, units, workers, wide)
-        w_hi = _worker_of(strip * k_tiles + k_tiles - 1, units, workers, wide)
+        w_lo = worker_of(strip * k_tiles, units, workers, wide)
+        w_hi = worker_of(strip * k_tiles + k_tiles - 1, units, workers, wide)
         if w_lo == w_hi:
             self.store_fragment(acc, epi, wn, t)
         else:
@@ -785,7 +787,7 @@ class GemvKernel:
             if warp_split_arrive(counter, w_hi - w_lo + 1) != 0:
                 # w_lo wrote slot 2 w_lo if its run starts at this strip, else 2 w_lo + 1
                 # (its last strip); every later worker starts here: slot 2 w.
-                starts_here = _run_start(w_lo, units, workers, wide) >= strip * k_tiles
+                starts_here = run_start(w_lo, units, workers, wide) >= strip * k_tiles
                 first_slot = 2 * w_lo + 1 - Int32(starts_here)
                 self.reduce_strip(mWs, epi, wn, first_slot, w_hi - w_lo)
 
@@ -846,46 +848,6 @@ class GemvKernel:
             if has_bias != 0:
                 r = r + Float32(mBias[n])
             mOut[m, n] = self.dtype(r)
-
-
-# Stream-K run bounds in 32-bit unsigned arithmetic: a 64-bit division is a subroutine
-# call, in the prologue and on the split-K hand-over's path (the GEMV: 0.1-0.5 us per call).
-# The GEMV's units x worker slots < 2^32 (the host checks, ``check_run_bounds``). ``wide`` (the
-# grouped stream kernel, whose unit count depends on the routing): 32 bits where the
-# product fits, checked at run time, else 64.
-MAX_UNITS_X_WORKERS = 1 << 32
-
-
-def check_run_bounds(units: int, workers: int) -> None:
-    """Raise unless the GEMV's 32-bit run arithmetic holds ``units`` x ``workers`` (worker
-    slots: CTAs x quads, idle ones included)."""
-    if units * workers >= MAX_UNITS_X_WORKERS:
-        raise ValueError(
-            f"{units} (column tile, K tile) units x {workers} stream-K worker slots >= 2^32: "
-            "the weight is too large for one GEMV launch; split it along N"
-        )
-
-
-@cute.jit
-def _div_runs(x: Int64, d, wide: cutlass.Constexpr[bool]) -> Int32:
-    """x // d for run bounds (x >= 0, 0 < d < 2^31): 32-bit unless ``wide`` and x >= 2^32."""
-    q = Int32(Uint32(x) // Uint32(d))
-    if cutlass.const_expr(wide):
-        if x >= Int64(MAX_UNITS_X_WORKERS):
-            q = Int32(x // Int64(d))
-    return q
-
-
-@cute.jit
-def _run_start(w, units, workers, wide: cutlass.Constexpr[bool] = False) -> Int32:
-    """First unit of worker w's run: runs split ``units`` into ``workers`` equal parts."""
-    return _div_runs(Int64(w) * Int64(units), workers, wide)
-
-
-@cute.jit
-def _worker_of(u, units, workers, wide: cutlass.Constexpr[bool] = False) -> Int32:
-    """The worker whose run holds unit u (the inverse of ``_run_start``)."""
-    return _div_runs(Int64(u) * Int64(workers) + Int64(workers - 1), units, wide)
 
 
 def _copy_chunk(atom, src: cute.Pointer, dst: cute.Pointer):

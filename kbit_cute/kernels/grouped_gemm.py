@@ -51,7 +51,7 @@ def gate_up_source(kt64, n_cta, n_tiles128, off, per_tile, up):
 
 class GroupedGemmKernel(GemmKernel):
     """``GemmKernel`` over (expert M tile, N tile) work items. Compile-time config: bits
-    ``k``, dtype name, ``GemmConfig`` (``splits`` is always 1; gate_up: tile_n = 128),
+    ``k``, dtype name, ``GemmConfig`` (no split-K: whole K per tile; gate_up: tile_n = 128),
     ``gate_up`` (fused SiLU(g) * u)."""
 
     def __init__(self, k: int, dtype: str, config: GemmConfig, gate_up: bool = False):
@@ -140,11 +140,12 @@ class GroupedGemmKernel(GemmKernel):
             a_first = cute.assume(Int64(row_begin) * Int64(K), divby=32)
             n_out = self.out_width(N)
             o_first = cute.assume(Int64(row_begin) * Int64(n_out), divby=8)  # (host: N % 8 == 0)
+            self.build_pair_table(pCodebook, base_u8 + self.plan["table"])
             # (no bias, no split-K: the bias, workspace and counter pointers are not read)
             self.tile(
-                base_u8, pA + a_first, mWe.iterator, mSe.iterator, pCodebook,
-                pScale + expert, pOut, pOut + o_first, pScale, mOff.iterator, rows, N, K,
-                1, 0, 0, m_tile, n_cta, 0, 1,
+                base_u8, pA + a_first, mWe.iterator, mSe.iterator, pScale + expert, pOut,
+                pOut + o_first, pScale, mOff.iterator, rows, N, K, 0, 0, m_tile, n_cta, 0,
+                0, (K + self.cfg.tile_k - 1) // self.cfg.tile_k, (Int32(1), Int32(0), Int32(0)),
             )  # fmt: skip
 
     @cute.jit

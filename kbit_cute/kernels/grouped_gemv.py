@@ -53,6 +53,7 @@ from ..layouts import weight_absmax_layout, weight_words_layout
 from .device_helpers import (
     load_cluster_f32,
     prefetch_l2,
+    run_start,
     split_k_arrive,
     sum_split_partials,
 )
@@ -66,7 +67,6 @@ from .gemv import (
     TABLE_BYTES,
     WARPS,
     GemvKernel,
-    _run_start,
     smem_per_sm,
 )
 
@@ -616,8 +616,8 @@ class GroupedStreamKernel(GemvKernel):
                 s = cutlass.min(cutlass.min(workers // strips, k_tiles // min_run), 16)
                 workers = strips * cutlass.max(s, 1)
         worker = quad * ctas + cta
-        u_begin = _run_start(worker, units, workers, wide=True)
-        u_end = _run_start(worker + 1, units, workers, wide=True)
+        u_begin = run_start(worker, units, workers, wide=True)
+        u_end = run_start(worker + 1, units, workers, wide=True)
         strip_first = u_begin // k_tiles
         strip_end = (u_end - 1) // k_tiles + 1  # past the worker's last strip
         if worker >= workers or u_end <= u_begin:
