@@ -72,7 +72,7 @@ BUCKETS = [
     (256, [256], _LARGE_TILES),
     (1 << 31, [1024, 4096], _LARGE_TILES),
 ]  # fmt: skip
-CTAS_PER_SM = [1, 2, 3, 4]
+CTAS_PER_SM = [1, 2, 3, 4, 6]
 MAX_SPLITS = 16
 REUSE_SLACK = 1.03  # prefer a config another bucket already uses when within 3%
 
@@ -145,7 +145,9 @@ class Bench:
 # ----------------------------------------------------------------------------- tune
 
 
-def tune(ks, shapes, sm_count: int, log, table_only: bool = False) -> list[dict]:
+def tune(ks, shapes, sm_count: int, log, table_only: bool = False, buckets=None) -> list[dict]:
+    """Timings of the candidates of every bucket (or of the buckets whose m_max is listed
+    in ``buckets``) on ``shapes``."""
     from kbit_cute.kernels import gemm_table
 
     props = device_props(torch.cuda.current_device())
@@ -154,6 +156,8 @@ def tune(ks, shapes, sm_count: int, log, table_only: bool = False) -> list[dict]
         b = Bench(K, N, ks)
         for k in ks:
             for m_max, Ms, names in BUCKETS:
+                if buckets is not None and m_max not in buckets:
+                    continue
                 for M in Ms:
                     t_dq = b.dequant_cublas(M, k)
                     base = dict(K=K, N=N, k=k, M=M, m_max=m_max)
@@ -222,6 +226,8 @@ def table_from(records: list[dict]) -> tuple[dict, dict]:
             if alts:
                 chosen[m_max] = min(alts, key=sc.get)
         rules[k] = [(m_max, c[0], c[1], MAX_SPLITS) for m_max, c in sorted(chosen.items())]
+        if not any(r["m_max"] == BUCKETS[-1][0] for r in rk):
+            continue  # the largest M not measured: the cuBLAS threshold stays
         # dequantize + cuBLAS from the smallest representative M where it wins at every M above.
         Ms = sorted({r["M"] for r in rk})
         wins = {}
@@ -250,11 +256,19 @@ def _wrapped(text: str, width: int) -> list[str]:
 
 
 def write_table(rules: dict, cublas_from: dict, gpu: str, command: str, path: Path = TABLE_PATH):
-    """Overwrite gemm_table.py with measured rules (k missing from ``rules`` keep theirs)."""
+    """Overwrite gemm_table.py with measured rules: rows of the buckets measured replace
+    theirs, the other rows (and k) stay."""
     from kbit_cute.kernels import gemm_table
 
     all_rules = dict(gemm_table.RULES)
-    all_rules.update(rules)
+    rows_kept = False
+    for k, rows in rules.items():
+        kept = {row[0]: row for row in all_rules.get(k, [])}
+        rows_kept |= bool(set(kept) - {row[0] for row in rows})
+        kept.update({row[0]: row for row in rows})
+        all_rules[k] = [kept[m] for m in sorted(kept)]
+    if rows_kept:  # the kept rows were measured by the commands before
+        command = f"{gemm_table.COMMAND}; then {command}"
     all_cublas = dict(gemm_table.CUBLAS_FROM_M)
     all_cublas.update(cublas_from)
     partial = sorted(set(gemm_table.RULES) - set(rules))
@@ -333,8 +347,14 @@ def main(argv=None) -> None:
     p.add_argument("--shapes", nargs="+", default=None, help="KxN (default: the issue's five)")
     p.add_argument("--no-qwen", action="store_true", help="report: skip Qwen3-Coder-Next shapes")
     p.add_argument("--tune", action="store_true", help="sweep candidate configs (see above)")
-    p.add_argument("--candidates", choices=["all", "table"], default="all",
-                   help="--tune: every candidate tiling, or the table's per bucket")  # fmt: skip
+    p.add_argument(
+        "--candidates",
+        choices=["all", "table"],
+        default="all",
+        help="--tune: every candidate tiling, or the table's per bucket",
+    )
+    p.add_argument("--buckets", type=int, nargs="+", default=None,
+                   help="--tune: only the buckets of these m_max (default: all)")  # fmt: skip
     p.add_argument("--write-table", action="store_true", help="with --tune: write the table")
     p.add_argument("--write-table-from", nargs="+", type=Path, help="tune JSONs -> the table")
     p.add_argument("--deterministic", action="store_true",
@@ -370,7 +390,7 @@ def main(argv=None) -> None:
     out_dir = Path(os.environ.get("OUT", "."))
     t0 = time.time()
     if args.tune:
-        records = tune(args.k, shapes, sm_count, log, args.candidates == "table")
+        records = tune(args.k, shapes, sm_count, log, args.candidates == "table", args.buckets)
         path = args.json or out_dir / f"tune_gemm_k{''.join(map(str, args.k))}.json"
         path.write_text(json.dumps(dict(gpu=gpu, sm_count=sm_count, command=command,
                                         records=records), indent=1))  # fmt: skip

@@ -13,6 +13,14 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 
+
+def target_arch_family() -> str:
+    """sm_90 or sm_80: the compile target's family (``kbit_cute.compile.target_arch``)."""
+    from ..compile import target_arch
+
+    return "sm_90" if target_arch().startswith("sm_9") else "sm_80"
+
+
 # 2^(127 - 11): moves an E4M4 code placed in fp32's exponent/mantissa bits to its value.
 _E4M4_FP32_EXP_SHIFT = 116
 

@@ -69,6 +69,7 @@ from .device_helpers import (
     prmt,
     run_start,
     scaled_byte_tables,
+    target_arch_family,
     warp_split_arrive,
     worker_of,
 )
@@ -105,13 +106,6 @@ ABSMAX_WORDS = WARP_COLS * BLOCKS_PER_TILE_K // 4  # a warp's absmax bytes of a 
 A_ROW_WORDS = TILE_K // 2  # one activation row of a K tile (16-bit values)
 # Shared memory a kernel may use per SM (H100: 227 KB, A100: 163 KB), by target family.
 SMEM_PER_SM = {"sm_90": 227 * 1024, "sm_80": 163 * 1024}
-
-
-def target_arch_family() -> str:
-    """sm_90 or sm_80: the compile target's family (``kbit_cute.compile.target_arch``)."""
-    from ..compile import target_arch
-
-    return "sm_90" if target_arch().startswith("sm_9") else "sm_80"
 
 
 def smem_per_sm() -> int:
