@@ -1,7 +1,7 @@
 """GEMM calls for ``compute-sanitizer --tool memcheck|racecheck python -m perf.sanitize_gemm``:
 per k, each config of the dispatch table on an odd shape (partial tiles in M, N and K), with
-one split and with split-K in both reduction modes, plus the lane-table variants the table
-does not use for that k."""
+whole tiles per CTA, split-K, and stream-K runs that end inside tiles (both reduction
+modes), plus the lane-table variants the table does not use for that k."""
 
 from __future__ import annotations
 
@@ -20,8 +20,12 @@ def main() -> None:
             dtype = (torch.float16, torch.bfloat16)[i % 2]
             A = torch.randn(37, K, device="cuda", dtype=dtype)
             out = torch.empty(37, N, device="cuda", dtype=dtype)
-            for splits, det in ((1, True), (3, True), (3, False)):
-                gd.gemm_mma(A, qw, None, out, config=name, splits=splits, deterministic=det)
+            for splits, workers, det in ((1, None, True), (3, None, True), (3, None, False),
+                                         (None, 23, True), (None, 23, False)):  # fmt: skip
+                gd.gemm_mma(
+                    A, qw, None, out, config=name, splits=splits, workers=workers,
+                    deterministic=det,
+                )  # fmt: skip
     torch.cuda.synchronize()
     print("sanitize_gemm: done")
 

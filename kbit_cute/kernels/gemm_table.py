@@ -1,12 +1,12 @@
 """Dispatch table of the mma.sync GEMM (``kbit_cute.gemm_dispatch``).
 
 Measured: written by perf/bench_gemm.py from L2-cold CUDA-graph timings of every
-candidate tiling x split-K target on the shapes of its SHAPES list (geometric mean per
+candidate tiling x worker density on the shapes of its SHAPES list (geometric mean per
 (k, M bucket)); regenerate with the command below and commit the result.
 
-RULES[k]: rows (m_max, config name, target CTAs per SM, max splits); the first row with
-M <= m_max applies. CUBLAS_FROM_M[k]: smallest M from which dequantize + cuBLAS was
-measured faster than the kernel (None: the kernel always won).
+RULES[k]: rows (m_max, config name, CTAs per SM, max splits: ``plan_workers``); the
+first row with M <= m_max applies. CUBLAS_FROM_M[k]: smallest M from which dequantize
++ cuBLAS was measured faster than the kernel (None: the kernel always won).
 """
 
 PROVISIONAL = False
@@ -16,38 +16,40 @@ COMMAND = (
     "perf.bench_gemm --tune --k 3 --json /root/out/tune_k3.json; python -m perf.bench_gemm "
     "--tune --k 4 --json /root/out/tune_k4.json; python -m perf.bench_gemm --tune --k 5 "
     "--json /root/out/tune_k5.json; python -m perf.bench_gemm --write-table-from tune_k2.json "
-    "tune_k3.json tune_k4.json tune_k5.json"
+    "tune_k3.json tune_k4.json tune_k5.json; then python -m perf.bench_gemm --tune "
+    "--candidates table --buckets 16 32 64 --k 2 3 4 5 --json /root/out/tune_sk.json; python "
+    "-m perf.bench_gemm --write-table-from tune_sk.json"
 )
 
 RULES = {
     2: [
-        (16, "m16n128k128s4w1x4", 2, 16),
-        (32, "m32n128k64s4w1x4", 2, 16),
-        (64, "m32n128k64s4w1x4l", 1, 16),
+        (16, "m16n128k128s4w1x4", 4, 16),
+        (32, "m32n128k64s4w1x4", 3, 16),
+        (64, "m32n128k64s4w1x4l", 4, 16),
         (128, "m64n128k64s3w1x4", 1, 16),
         (256, "m64n128k64s3w1x4", 2, 16),
         (2147483648, "m64n128k64s3w1x4", 1, 16),
     ],
     3: [
-        (16, "m16n128k128s3w1x4l", 2, 16),
-        (32, "m32n128k128s3w1x4l", 1, 16),
-        (64, "m64n128k64s3w1x4l", 1, 16),
+        (16, "m16n128k128s3w1x4l", 4, 16),
+        (32, "m32n128k128s3w1x4l", 4, 16),
+        (64, "m64n128k64s3w1x4l", 2, 16),
         (128, "m64n128k64s3w1x4l", 1, 16),
         (256, "m64n128k64s3w1x4l", 2, 16),
         (2147483648, "m64n128k64s3w1x4l", 1, 16),
     ],
     4: [
-        (16, "m16n128k128s3w1x4l", 2, 16),
-        (32, "m32n128k128s3w1x4l", 1, 16),
-        (64, "m64n128k64s3w1x4l", 1, 16),
+        (16, "m16n128k128s3w1x4l", 3, 16),
+        (32, "m32n128k128s3w1x4l", 2, 16),
+        (64, "m64n128k64s3w1x4l", 2, 16),
         (128, "m64n128k64s3w1x4l", 1, 16),
         (256, "m64n128k64s3w1x4l", 2, 16),
         (2147483648, "m64n128k64s3w1x4l", 1, 16),
     ],
     5: [
         (16, "m16n128k64s4w1x4", 4, 16),
-        (32, "m32n128k64s4w1x4", 2, 16),
-        (64, "m64n128k64s3w1x4", 1, 16),
+        (32, "m32n128k64s4w1x4", 3, 16),
+        (64, "m64n128k64s3w1x4", 2, 16),
         (128, "m64n128k64s3w1x4", 1, 16),
         (256, "m64n128k64s3w1x4", 2, 16),
         (2147483648, "m64n256k64s3w1x8l", 1, 16),
