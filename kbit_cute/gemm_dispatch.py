@@ -46,16 +46,16 @@ def table_rule(k: int, M: int, weight_over_l2: bool = False) -> tuple[str, int, 
     weight, which then comes from DRAM each time, so where the row's tile is shorter than M
     a later row whose tile covers M is taken (the table's rows are measured on mostly
     L2-sized weights: k = 2, M = 64 on 8192x28672 took 140 us with the M <= 64 row's
-    m32 tile, 111 us with the M <= 128 row's m64 tile; ``bench_gemm --tune``)."""
+    m32 tile, 111 us with the M <= 128 row's m64 tile; ``bench_gemm --tune``). The worker
+    density stays M's row's: its tune timed this substitution on the weights over the L2."""
     rows = gemm_table.RULES.get(k)
     if not rows:
         raise ValueError(f"the GEMM table has no rows for k={k}")
     first = next((i for i, row in enumerate(rows) if M <= row[0]), len(rows) - 1)
+    _, name, ctas_per_sm, max_splits = rows[first]
     if weight_over_l2:
-        for row in rows[first:]:
-            if GemmConfig.parse(row[1]).tile_m >= M:
-                return row[1:]
-    return rows[first][1:]
+        name = next((r[1] for r in rows[first:] if GemmConfig.parse(r[1]).tile_m >= M), name)
+    return name, ctas_per_sm, max_splits
 
 
 def choose_splits(

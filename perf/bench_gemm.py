@@ -163,10 +163,15 @@ def tune(ks, shapes, sm_count: int, log, table_only: bool = False, buckets=None)
                     base = dict(K=K, N=N, k=k, M=M, m_max=m_max)
                     records.append(dict(base, impl="dequant_cublas", us=t_dq))
                     timed: dict[tuple[str, int], float] = {}  # densities giving one grid
+                    # (candidate, tiling timed): the table's row runs what the dispatcher
+                    # runs (a weight over the L2 may take a larger tile: ``gd.table_rule``).
+                    cands = [(name, name) for name in names]
                     if table_only:
-                        names = [next(r[1] for r in gemm_table.RULES[k] if r[0] >= m_max)]
-                    for name in names:
-                        cfg = GemmConfig.parse(name)
+                        over_l2 = gd.weight_over_l2(N, K, k, props.l2_bytes)
+                        row = next(r[1] for r in gemm_table.RULES[k] if r[0] >= m_max)
+                        cands = [(row, gd.table_rule(k, M, over_l2)[0])]
+                    for name, ran in cands:
+                        cfg = GemmConfig.parse(ran)
                         if not GemmKernel.can_implement(k, "f16", cfg, props.smem_per_block_optin):
                             continue
                         resident = gd.resident_ctas(cfg, k, props.smem_per_sm)
@@ -174,16 +179,15 @@ def tune(ks, shapes, sm_count: int, log, table_only: bool = False, buckets=None)
                             workers = gd.plan_workers(
                                 M, N, K, cfg, sm_count, ctas, MAX_SPLITS, resident
                             )
-                            if (name, workers) not in timed:
+                            if (ran, workers) not in timed:
                                 try:
-                                    timed[(name, workers)] = b.kernel(M, k, name, workers=workers)
+                                    timed[(ran, workers)] = b.kernel(M, k, ran, workers=workers)
                                 except Exception as exc:  # recorded, never silently dropped
-                                    log(
-                                        f"  {K}x{N} k={k} M={M} {name}: {type(exc).__name__}: {exc}"
-                                    )
-                                    timed[(name, workers)] = math.inf
-                            records.append(dict(base, impl="kernel", config=name, ctas_per_sm=ctas,
-                                                workers=workers, us=timed[(name, workers)]))  # fmt: skip
+                                    log(f"  {K}x{N} k={k} M={M} {ran}: {type(exc).__name__}: {exc}")
+                                    timed[(ran, workers)] = math.inf
+                            records.append(dict(base, impl="kernel", config=name, ran=ran,
+                                                ctas_per_sm=ctas, workers=workers,
+                                                us=timed[(ran, workers)]))  # fmt: skip
                     best = min(timed.values())
                     log(
                         f"{K}x{N} k={k} M={M}: best kernel {best:.1f} us, dequant+cuBLAS {t_dq:.1f} us"
