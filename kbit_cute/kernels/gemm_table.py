@@ -18,15 +18,17 @@ COMMAND = (
     "--json /root/out/tune_k5.json; python -m perf.bench_gemm --write-table-from tune_k2.json "
     "tune_k3.json tune_k4.json tune_k5.json; then python -m perf.bench_gemm --tune "
     "--candidates table --buckets 16 32 64 --k 2 3 4 5 --json /root/out/tune_sk.json; python "
-    "-m perf.bench_gemm --write-table-from tune_sk.json"
+    "-m perf.bench_gemm --write-table-from tune_sk.json; then python -m perf.bench_gemm "
+    "--tune --candidates table --buckets 64 128 256 --k 2 3 4 5 --json "
+    "/root/out/tune_sk2.json; python -m perf.bench_gemm --write-table-from tune_sk2.json"
 )
 
 RULES = {
     2: [
         (16, "m16n128k128s4w1x4", 4, 16),
         (32, "m32n128k64s4w1x4", 3, 16),
-        (64, "m32n128k64s4w1x4l", 4, 16),
-        (128, "m64n128k64s3w1x4", 1, 16),
+        (64, "m32n128k64s4w1x4l", 2, 16),
+        (128, "m64n128k64s3w1x4", 4, 16),
         (256, "m64n128k64s3w1x4", 2, 16),
         (2147483648, "m64n128k64s3w1x4", 1, 16),
     ],
@@ -35,7 +37,7 @@ RULES = {
         (32, "m32n128k128s3w1x4l", 4, 16),
         (64, "m64n128k64s3w1x4l", 2, 16),
         (128, "m64n128k64s3w1x4l", 1, 16),
-        (256, "m64n128k64s3w1x4l", 2, 16),
+        (256, "m64n128k64s3w1x4l", 1, 16),
         (2147483648, "m64n128k64s3w1x4l", 1, 16),
     ],
     4: [
@@ -43,15 +45,15 @@ RULES = {
         (32, "m32n128k128s3w1x4l", 2, 16),
         (64, "m64n128k64s3w1x4l", 2, 16),
         (128, "m64n128k64s3w1x4l", 1, 16),
-        (256, "m64n128k64s3w1x4l", 2, 16),
+        (256, "m64n128k64s3w1x4l", 1, 16),
         (2147483648, "m64n128k64s3w1x4l", 1, 16),
     ],
     5: [
         (16, "m16n128k64s4w1x4", 4, 16),
         (32, "m32n128k64s4w1x4", 3, 16),
         (64, "m64n128k64s3w1x4", 2, 16),
-        (128, "m64n128k64s3w1x4", 1, 16),
-        (256, "m64n128k64s3w1x4", 2, 16),
+        (128, "m64n128k64s3w1x4", 3, 16),
+        (256, "m64n128k64s3w1x4", 3, 16),
         (2147483648, "m64n256k64s3w1x8l", 1, 16),
     ],
 }
