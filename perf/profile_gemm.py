@@ -20,7 +20,8 @@ def main() -> None:
     p.add_argument("--m", type=int, default=16)
     p.add_argument("--shape", default="8192x28672", help="KxN")
     p.add_argument("--config", default=None, help="GemmConfig name (default: the table's)")
-    p.add_argument("--splits", type=int, default=None, help="default: the table's rule")
+    p.add_argument("--splits", type=int, default=None, help="a split-K grid (default: table)")
+    p.add_argument("--workers", type=int, default=None, help="stream-K CTAs (default: table)")
     p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     p.add_argument("--launches", type=int, default=6)
     args = p.parse_args()
@@ -30,7 +31,7 @@ def main() -> None:
     A = torch.randn(args.m, K, device="cuda", dtype=dtype)
     out = torch.empty(args.m, N, device="cuda", dtype=dtype)
     for _ in range(args.launches):
-        gd.gemm_mma(A, qw, None, out, config=args.config, splits=args.splits)
+        gd.gemm_mma(A, qw, None, out, config=args.config, splits=args.splits, workers=args.workers)
     torch.cuda.synchronize()
     print(f"profile_gemm: k={args.k} M={args.m} {K}x{N} {args.config} {args.launches} launches")
 
