@@ -21,6 +21,7 @@ touches none of them.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -223,9 +224,11 @@ def launch(
     tiles = -(-M // cfg.tile_m) * -(-N // cfg.tile_n)
     tile_elems = cfg.tile_m * cfg.tile_n
     # Ordered partials: two slots per worker (the first and last tile of its run); atomic
-    # sums: one per tile. int32 offsets, 32-bit run bounds.
+    # sums: one per tile. int32 offsets; 32-bit run bounds on units / workers reduced.
     workers = max(1, min(workers, (_MAX_ELEMS - 1) // (2 * tile_elems)))
-    check_run_bounds(tiles * -(-K // cfg.tile_k), workers)
+    units = tiles * -(-K // cfg.tile_k)
+    run_gcd = math.gcd(units, workers)
+    check_run_bounds(units // run_gcd, workers)
     handover = hands_over(M, N, cfg, workers)
     atomic = handover and not deterministic
     if not handover:  # the kernel reads no workspace and no counter: pass any buffer
@@ -242,7 +245,7 @@ def launch(
         bias = bias.contiguous()
     args = [
         A2d, packed, absmax, codebook, scale, bias if has_bias else dst, dst, ws, counters,
-        M, N, K, workers, int(has_bias), int(atomic),
+        M, N, K, workers, run_gcd, int(has_bias), int(atomic),
     ]  # fmt: skip
     try:
         fn(*args)

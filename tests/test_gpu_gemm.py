@@ -142,6 +142,16 @@ def test_stream_k_runs_that_end_inside_tiles(workers, weights):
     assert rel_err(atomic, ref) < TOL[torch.float16]
 
 
+def test_large_m_split_grid(weights):
+    """A grid of whole tiles at large M: 64 x 92 tiles x 128 K slices x 5888 CTAs is past
+    32-bit run products unless reduced by their gcd (the kernel's run arithmetic)."""
+    K, N, k, M = 8192, 11776, 2, 4096
+    qw = weights(K, N, k)
+    A = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    got = run(A, qw, config="m64n128k64s3w1x4", splits=1)
+    assert rel_err(got, reference(A, qw)) < TOL[torch.float16]
+
+
 def test_workspace_and_counters_survive_changing_shapes(weights):
     """Counters and the atomic sums buffer are left at zero by every call: calls of other
     shapes, splits and modes in between do not change a result."""

@@ -213,6 +213,7 @@ class GemmKernel:
         N: Int32,
         K: Int32,  # a multiple of 32
         workers: Int32,  # CTAs of the stream-K schedule, <= its units (host: plan_workers)
+        run_gcd: Int32,  # gcd(units, workers): the run arithmetic uses the reduced fraction
         has_bias: Int32,
         atomic: Int32,  # 0: ordered split-K reduction (deterministic), 1: red.add
         stream: cuda.CUstream,
@@ -220,7 +221,7 @@ class GemmKernel:
         K = cute.assume(K, divby=BLOCK)
         self.kernel(
             pA, pPacked, pAbsmax, pCodebook, pScale, pBias, pOut, pWorkspace, pCounters,
-            M, N, K, workers, has_bias, atomic,
+            M, N, K, workers, run_gcd, has_bias, atomic,
         ).launch(grid=[workers, 1, 1], block=[self.threads, 1, 1], stream=stream)  # fmt: skip
 
     # ------------------------------------------------------------------------- device
@@ -241,6 +242,7 @@ class GemmKernel:
         N: Int32,
         K: Int32,
         workers: Int32,
+        run_gcd: Int32,
         has_bias: Int32,
         atomic: Int32,
     ):
@@ -255,8 +257,11 @@ class GemmKernel:
         m_ctas = (M + cfg.tile_m - 1) // cfg.tile_m
         k_iters = (K + cfg.tile_k - 1) // cfg.tile_k
         units = m_ctas * ((N + cfg.tile_n - 1) // cfg.tile_n) * k_iters
-        u_begin = run_start(worker, units, workers)
-        u_end = run_start(worker + 1, units, workers)
+        # Run bounds from units / workers reduced by their gcd: 32-bit products (the host
+        # checks) even for split-K grids of whole tiles at large M (1.8 M units x 14 K CTAs).
+        units_r, workers_r = units // run_gcd, workers // run_gcd
+        u_begin = run_start(worker, units_r, workers_r)
+        u_end = run_start(worker + 1, units_r, workers_r)
         base_u8 = self.allocate_tile_smem(SmemAllocator())
         self.build_pair_table(pCodebook, base_u8 + self.plan["table"])
         t_first = u_begin // k_iters
@@ -265,9 +270,10 @@ class GemmKernel:
             # Workers whose runs meet tile t: w_lo holds its first K slice, w_hi its last.
             # w_lo's partial is in slot 2 w_lo if its run starts in this tile, else in
             # 2 w_lo + 1 (its last tile); every later worker starts here: slot 2 w.
-            w_lo = worker_of(t_units, units, workers)
-            w_hi = worker_of(t_units + k_iters - 1, units, workers)
-            first_slot = 2 * w_lo + 1 - Int32(run_start(w_lo, units, workers) >= t_units)
+            w_lo = worker_of(t_units, units_r, workers_r)
+            w_hi = worker_of(t_units + k_iters - 1, units_r, workers_r)
+            starts_here = run_start(w_lo, units_r, workers_r) >= t_units
+            first_slot = 2 * w_lo + 1 - Int32(starts_here)
             handover = (w_hi - w_lo + 1, 2 * worker + Int32(t != t_first), first_slot)
             self.tile(
                 base_u8, pA, pPacked, pAbsmax, pScale, pBias, pOut, pWorkspace, pCounters,
@@ -810,7 +816,7 @@ def gemm_spec(k: int, dtype: str, config: GemmConfig):
             fake_ptr(dt), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Uint8),
             fake_ptr(cutlass.Float32, 4), fake_ptr(cutlass.Float32, 4), fake_ptr(dt, 2),
             fake_ptr(dt), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int32, 4),
-            Int32(5), Int32(128), Int32(64), Int32(1), Int32(0), Int32(0), fake_stream(),
+            Int32(5), Int32(128), Int32(64), Int32(1), Int32(1), Int32(0), Int32(0), fake_stream(),
         )  # fmt: skip
         return GemmKernel(k, dtype, config), args
 
