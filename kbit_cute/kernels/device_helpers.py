@@ -21,6 +21,15 @@ def target_arch_family() -> str:
     return "sm_90" if target_arch().startswith("sm_9") else "sm_80"
 
 
+# Shared memory a kernel may use per SM (H100: 227 KB, A100: 163 KB), by target family.
+SMEM_PER_SM = {"sm_90": 227 * 1024, "sm_80": 163 * 1024}
+
+
+def smem_per_sm() -> int:
+    """Shared memory per SM of the compile target."""
+    return SMEM_PER_SM[target_arch_family()]
+
+
 # 2^(127 - 11): moves an E4M4 code placed in fp32's exponent/mantissa bits to its value.
 _E4M4_FP32_EXP_SHIFT = 116
 

@@ -54,6 +54,7 @@ from .device_helpers import (
     pair_offsets,
     prmt,
     run_start,
+    smem_per_sm,
     split_k_arrive,
     target_arch_family,
     worker_of,
@@ -65,6 +66,7 @@ _TILE_ABSMAX = TILE_N * BLOCKS_PER_TILE_K  # absmax bytes of one repack tile
 _CHUNK = 16  # bytes per cp.async
 _C_PAD = 8  # elements of padding per epilogue row: rows start 4 banks apart (no conflicts)
 _LANES = 32  # copies of a lane-replicated pair table: entry p of lane l at p * 128 + l * 4
+_BOUNDED_REGS = 168  # registers per thread of 3 CTAs of 128 threads (min_ctas_per_sm)
 
 
 # ----------------------------------------------------------------------------- config
@@ -182,6 +184,18 @@ class GemmKernel:
         self.nj = config.tile_n // (8 * config.warps_n)  # n8 MMA tiles per warp (reps)
         self.tile_words = _TILE_WORDS_PER_K * k  # int32 words of one repack tile
 
+    def min_ctas_per_sm(self) -> int:
+        """``min_blocks_per_mp`` of the launch (0: the compiler's choice). Warp tiles of 64
+        rows (m64 w1x4) took 165-203 registers depending on unrelated code, i.e. 2 or 3
+        CTAs per SM (8192x28672 M = 256 k = 4: 505 us at 199, 434 at 168): they are bounded
+        at 168 for 3 CTAs where shared memory holds 3 (no spills on sm_90; sm_80, measured
+        nowhere, spilled at k = 3 and keeps the compiler's choice)."""
+        if self.cfg.tile_m // self.cfg.warps_m < 64 or target_arch_family() != "sm_90":
+            return 0
+        by_smem = smem_per_sm() // (self.plan["total"] + 1024)
+        ctas = min(by_smem, 65536 // (self.threads * _BOUNDED_REGS))
+        return ctas if ctas > 1 else 0
+
     @staticmethod
     def problems(k: int, dtype: str, config: GemmConfig) -> list[str]:
         out = list(config.problems())
@@ -222,7 +236,10 @@ class GemmKernel:
         self.kernel(
             pA, pPacked, pAbsmax, pCodebook, pScale, pBias, pOut, pWorkspace, pCounters,
             M, N, K, workers, run_gcd, has_bias, atomic,
-        ).launch(grid=[workers, 1, 1], block=[self.threads, 1, 1], stream=stream)  # fmt: skip
+        ).launch(
+            grid=[workers, 1, 1], block=[self.threads, 1, 1], stream=stream,
+            min_blocks_per_mp=self.min_ctas_per_sm(), preferred_smem_carveout=-1,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------------- device
 

@@ -69,6 +69,7 @@ from .device_helpers import (
     prmt,
     run_start,
     scaled_byte_tables,
+    smem_per_sm,
     target_arch_family,
     warp_split_arrive,
     worker_of,
@@ -104,13 +105,6 @@ CHUNK_WORDS = 4  # one cp.async moves 16 bytes
 REDUCE_LOADS = 32
 ABSMAX_WORDS = WARP_COLS * BLOCKS_PER_TILE_K // 4  # a warp's absmax bytes of a K tile
 A_ROW_WORDS = TILE_K // 2  # one activation row of a K tile (16-bit values)
-# Shared memory a kernel may use per SM (H100: 227 KB, A100: 163 KB), by target family.
-SMEM_PER_SM = {"sm_90": 227 * 1024, "sm_80": 163 * 1024}
-
-
-def smem_per_sm() -> int:
-    """Shared memory per SM of the compile target."""
-    return SMEM_PER_SM[target_arch_family()]
 
 
 def gemv_mma(dtype: type[cutlass.Numeric]):

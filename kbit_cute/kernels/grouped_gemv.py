@@ -54,6 +54,7 @@ from .device_helpers import (
     load_cluster_f32,
     prefetch_l2,
     run_start,
+    smem_per_sm,
     split_k_arrive,
     sum_split_partials,
 )
@@ -67,7 +68,6 @@ from .gemv import (
     TABLE_BYTES,
     WARPS,
     GemvKernel,
-    smem_per_sm,
 )
 
 ROWS_PER_PASS = MMA_N  # activation rows per mma: rows of an expert handled per K pass
