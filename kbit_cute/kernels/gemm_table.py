@@ -22,7 +22,10 @@ COMMAND = (
     "--tune --candidates table --buckets 64 128 256 --k 2 3 4 5 --json "
     "/root/out/tune_sk2.json; python -m perf.bench_gemm --write-table-from tune_sk2.json; "
     "then python -m perf.bench_gemm --tune --buckets 16 32 --k 2 3 4 5 --json "
-    "/root/out/tune_b1632.json; python -m perf.bench_gemm --write-table-from tune_b1632.json"
+    "/root/out/tune_b1632.json; python -m perf.bench_gemm --write-table-from tune_b1632.json; "
+    "then python -m perf.bench_gemm --tune --candidates table --buckets 128 256 --k 2 3 4 5 "
+    "--json /root/out/tune_b128.json; python -m perf.bench_gemm --write-table-from "
+    "tune_b128.json"
 )
 
 RULES = {
@@ -30,7 +33,7 @@ RULES = {
         (16, "m16n128k128s4w1x4", 4, 16),
         (32, "m32n128k64s4w1x4", 3, 16),
         (64, "m32n128k64s4w1x4l", 2, 16),
-        (128, "m64n128k64s3w1x4", 4, 16),
+        (128, "m64n128k64s3w1x4", 6, 16),
         (256, "m64n128k64s3w1x4", 2, 16),
         (2147483648, "m64n128k64s3w1x4", 1, 16),
     ],
@@ -38,24 +41,24 @@ RULES = {
         (16, "m16n128k128s4w1x4l", 4, 16),
         (32, "m32n128k64s4w1x4l", 3, 16),
         (64, "m64n128k64s3w1x4l", 2, 16),
-        (128, "m64n128k64s3w1x4l", 1, 16),
-        (256, "m64n128k64s3w1x4l", 1, 16),
+        (128, "m64n128k64s3w1x4l", 4, 16),
+        (256, "m64n128k64s3w1x4l", 2, 16),
         (2147483648, "m64n128k64s3w1x4l", 1, 16),
     ],
     4: [
         (16, "m16n128k64s3w1x4l", 4, 16),
         (32, "m32n128k64s4w1x4l", 3, 16),
         (64, "m64n128k64s3w1x4l", 2, 16),
-        (128, "m64n128k64s3w1x4l", 1, 16),
-        (256, "m64n128k64s3w1x4l", 1, 16),
+        (128, "m64n128k64s3w1x4l", 4, 16),
+        (256, "m64n128k64s3w1x4l", 2, 16),
         (2147483648, "m64n128k64s3w1x4l", 1, 16),
     ],
     5: [
         (16, "m16n256k128s3w1x8l", 1, 16),
         (32, "m32n256k64s4w1x8l", 1, 16),
         (64, "m64n128k64s3w1x4", 2, 16),
-        (128, "m64n128k64s3w1x4", 3, 16),
-        (256, "m64n128k64s3w1x4", 3, 16),
+        (128, "m64n128k64s3w1x4", 4, 16),
+        (256, "m64n128k64s3w1x4", 2, 16),
         (2147483648, "m64n256k64s3w1x8l", 1, 16),
     ],
 }
