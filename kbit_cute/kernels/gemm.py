@@ -66,6 +66,7 @@ _TILE_ABSMAX = TILE_N * BLOCKS_PER_TILE_K  # absmax bytes of one repack tile
 _CHUNK = 16  # bytes per cp.async
 _C_PAD = 8  # elements of padding per epilogue row: rows start 4 banks apart (no conflicts)
 _LANES = 32  # copies of a lane-replicated pair table: entry p of lane l at p * 128 + l * 4
+_REDUCE_FLOATS = 64  # partial values a thread loads per round of the ordered reduction
 _BOUNDED_REGS = 168  # registers per thread of 3 CTAs of 128 threads (min_ctas_per_sm)
 
 
@@ -722,16 +723,27 @@ class GemmKernel:
                 if atomic == 0:
                     acc.fill(0.0)
                     later = first_slot - first_slot % 2  # slot of the first worker, - 2
-                    for i in cutlass.range(arrivals, unroll=1):  # worker order: deterministic
-                        slot = first_slot
-                        if i > 0:
-                            slot = later + 2 * i
-                        theirs = slot * slab
-                        for v4 in cutlass.range_constexpr(V // 4):
-                            off = cute.assume(theirs + (v4 * T + tidx) * 4, divby=4)
-                            vals = self.load_cg4(pWorkspace + off)
-                            for e in cutlass.range_constexpr(4):
-                                acc[v4 * 4 + e] = acc[v4 * 4 + e] + vals[e]
+                    # Worker order (deterministic); the loads of ``batch`` partials go out
+                    # together: one L2 round trip per batch, not per partial (stream-K
+                    # tiles meet up to ~30 runs on small-N shapes).
+                    batch = max(1, _REDUCE_FLOATS // V)
+                    for i0 in cutlass.range(0, arrivals, batch, unroll=1):
+                        parts = []
+                        for j in cutlass.range_constexpr(batch):
+                            slot = first_slot
+                            if i0 + j > 0:
+                                slot = later + 2 * (i0 + j)
+                            # past the last arrival: re-read this CTA's own slot, added as 0
+                            slot = cutlass.select_(i0 + j < arrivals, slot, my_slot)
+                            for v4 in cutlass.range_constexpr(V // 4):
+                                off = cute.assume(slot * slab + (v4 * T + tidx) * 4, divby=4)
+                                parts.append(self.load_cg4(pWorkspace + off))
+                        for j in cutlass.range_constexpr(batch):
+                            live = Float32(1.0) if j == 0 else Float32(i0 + j < arrivals)
+                            for v4 in cutlass.range_constexpr(V // 4):
+                                vals = parts[j * (V // 4) + v4]
+                                for e in cutlass.range_constexpr(4):
+                                    acc[v4 * 4 + e] = acc[v4 * 4 + e] + vals[e] * live
                 else:
                     zero4 = cute.make_rmem_tensor((4,), Float32)
                     zero4.fill(0.0)
