@@ -25,7 +25,9 @@ COMMAND = (
     "/root/out/tune_b1632.json; python -m perf.bench_gemm --write-table-from tune_b1632.json; "
     "then python -m perf.bench_gemm --tune --candidates table --buckets 128 256 --k 2 3 4 5 "
     "--json /root/out/tune_b128.json; python -m perf.bench_gemm --write-table-from "
-    "tune_b128.json"
+    "tune_b128.json; then python -m perf.bench_gemm --tune --candidates table --buckets 16 32 "
+    "64 --k 2 3 4 5 --json /root/out/tune_det.json; python -m perf.bench_gemm "
+    "--write-table-from tune_det.json"
 )
 
 RULES = {
@@ -38,7 +40,7 @@ RULES = {
         (2147483648, "m64n128k64s3w1x4", 1, 16),
     ],
     3: [
-        (16, "m16n128k128s4w1x4l", 4, 16),
+        (16, "m16n128k128s4w1x4l", 3, 16),
         (32, "m32n128k64s4w1x4l", 3, 16),
         (64, "m64n128k64s3w1x4l", 2, 16),
         (128, "m64n128k64s3w1x4l", 4, 16),
