@@ -273,6 +273,32 @@ def test_benchmark_writes_a_loadable_table(tmp_path):
     assert mod.MEASURED_ON == "Test GPU" and set(mod.RULES) == {2, 3, 4, 5}
 
 
+def test_tuning_some_buckets_keeps_the_other_rows(tmp_path):
+    """``bench_gemm --tune --buckets``: the measured buckets' rows are replaced, the others
+    and the cuBLAS threshold stay, and the command history keeps the earlier tune."""
+    import importlib.util
+
+    from perf import bench_gemm as bg
+
+    recs = []
+    for K, N in bg.SHAPES[:2]:
+        for ctas in bg.CTAS_PER_SM:
+            base = dict(K=K, N=N, k=4, M=16, m_max=16)
+            recs.append(dict(base, impl="kernel", config="m16n128k64s4w1x4", ctas_per_sm=ctas,
+                             us=10.0 + abs(ctas - 3)))  # fmt: skip
+    rules, cublas_from = bg.table_from(recs)
+    assert rules[4] == [(16, "m16n128k64s4w1x4", 3, bg.MAX_SPLITS)] and cublas_from == {}
+    path = tmp_path / "table.py"
+    bg.write_table(rules, cublas_from, "Test GPU", "python -m perf.bench_gemm --test", path)
+    spec = importlib.util.spec_from_file_location("t", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.RULES[4][0] == (16, "m16n128k64s4w1x4", 3, bg.MAX_SPLITS)
+    assert mod.RULES[4][1:] == gemm_table.RULES[4][1:]
+    assert mod.CUBLAS_FROM_M == gemm_table.CUBLAS_FROM_M
+    assert mod.COMMAND.startswith(gemm_table.COMMAND) and mod.COMMAND.endswith("--test")
+
+
 def test_weights_over_l2_take_a_tile_that_covers_m():
     """A weight larger than the L2 is read from DRAM once per M tile: the dispatcher takes a
     later table row whose tile covers M where the row for M has a shorter tile."""
