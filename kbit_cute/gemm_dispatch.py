@@ -228,7 +228,7 @@ def launch(
     workers = max(1, min(workers, (_MAX_ELEMS - 1) // (2 * tile_elems)))
     units = tiles * -(-K // cfg.tile_k)
     run_gcd = math.gcd(units, workers)
-    check_run_bounds(units // run_gcd, workers)
+    check_run_bounds(units // run_gcd, workers, "GEMM")
     handover = hands_over(M, N, cfg, workers)
     atomic = handover and not deterministic
     if not handover:  # the kernel reads no workspace and no counter: pass any buffer

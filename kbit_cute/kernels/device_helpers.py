@@ -473,13 +473,13 @@ def sum_split_partials(first: cute.Pointer, stride: Int32, splits: Int32) -> Flo
 MAX_UNITS_X_WORKERS = 1 << 32
 
 
-def check_run_bounds(units: int, workers: int) -> None:
+def check_run_bounds(units: int, workers: int, kernel: str = "GEMV") -> None:
     """Raise unless the 32-bit run arithmetic holds ``units`` x ``workers`` (worker
     slots: CTAs x quads, idle ones included)."""
     if units * workers >= MAX_UNITS_X_WORKERS:
         raise ValueError(
-            f"{units} (column tile, K tile) units x {workers} stream-K worker slots >= 2^32: "
-            "the problem is too large for one launch; split it along N"
+            f"{units} (output tile, K tile) units x {workers} stream-K worker slots >= 2^32: "
+            f"the weight is too large for one {kernel} launch; split it along N"
         )
 
 
