@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -98,13 +99,20 @@ def resident_ctas(cfg: GemmConfig, k: int, smem_per_sm: int) -> int:
 
 def plan(
     M: int, N: int, K: int, k: int, sm_count: int, l2_bytes: int | None = None,
-    smem_per_sm: int | None = None,
+    smem_per_sm: int | None = None, smem_per_block: int | None = None,
+    config: GemmConfig | None = None,
 ) -> tuple[GemmConfig, int]:  # fmt: skip
     """The table's (config, workers) for this problem on a GPU with ``sm_count`` SMs,
-    ``l2_bytes`` of L2 (None: the weight is taken to fit) and ``smem_per_sm`` bytes of
-    shared memory per SM (None: no residency limit)."""
+    ``l2_bytes`` of L2 (None: the weight is taken to fit), ``smem_per_sm`` bytes of shared
+    memory per SM (None: no residency limit) and ``smem_per_block`` per CTA (None: the
+    table's tiling as written; else its compact-table twin where the lane table does not
+    fit). ``config``: that tiling instead of the table's, with the table's worker density."""
     name, ctas_per_sm, max_splits = table_rule(k, M, weight_over_l2(N, K, k, l2_bytes))
-    cfg = GemmConfig.parse(name)
+    cfg = config
+    if cfg is None:
+        cfg = GemmConfig.parse(name)
+        if smem_per_block is not None:
+            cfg = _fitting(cfg, k, smem_per_block)
     resident = None if smem_per_sm is None else resident_ctas(cfg, k, smem_per_sm)
     return cfg, plan_workers(M, N, K, cfg, sm_count, ctas_per_sm, max_splits, resident)
 
@@ -157,8 +165,29 @@ class _SplitKBuffers:
         return ws, self.counters
 
 
+class _Launch(NamedTuple):
+    """What a launch needs beyond the tensors; fixed per (shape, tiling, workers)."""
+
+    cfg: GemmConfig
+    workers: int
+    run_gcd: int  # gcd(units, workers): the kernel's run arithmetic in reduced terms
+    handover: bool  # runs end inside tiles: split-K workspace and counters
+    tiles: int
+
+
+def _launch_plan(M: int, N: int, K: int, cfg: GemmConfig, workers: int) -> _Launch:
+    # Ordered partials take two slots per worker (the first and last tile of its run):
+    # int32 workspace offsets; 32-bit run products once reduced by the gcd.
+    workers = max(1, min(workers, (_MAX_ELEMS - 1) // (2 * cfg.tile_m * cfg.tile_n)))
+    tiles = -(-M // cfg.tile_m) * -(-N // cfg.tile_n)
+    units = tiles * -(-K // cfg.tile_k)
+    run_gcd = math.gcd(units, workers)
+    check_run_bounds(units // run_gcd, workers, "GEMM")
+    return _Launch(cfg, workers, run_gcd, hands_over(M, N, cfg, workers), tiles)
+
+
 _buffers: dict[tuple[int, int], _SplitKBuffers] = {}
-_plans: dict[tuple, tuple[GemmConfig, int]] = {}  # (config, workers) per shape
+_plans: dict[tuple, _Launch] = {}  # the table's launch per shape
 _launchers: dict[tuple[int, str, str], object] = {}
 
 
@@ -213,7 +242,8 @@ def launch(
             )  # fmt: skip
         return out
     dev = A2d.get_device()
-    cfg, workers = _resolve(M, N, K, k, dev, config, splits, workers)
+    plan_ = _resolve(M, N, K, k, dev, config, splits, workers)
+    cfg = plan_.cfg
     fn = _launchers.get((k, _DTYPES[dtype], cfg.name))
     if fn is None:
         fn = _launchers[(k, _DTYPES[dtype], cfg.name)] = launcher(gemm_spec(k, _DTYPES[dtype], cfg))
@@ -221,21 +251,12 @@ def launch(
     bufs = _buffers.get((dev, stream))
     if bufs is None:
         bufs = _buffers[(dev, stream)] = _SplitKBuffers(dev)
-    tiles = -(-M // cfg.tile_m) * -(-N // cfg.tile_n)
-    tile_elems = cfg.tile_m * cfg.tile_n
-    # Ordered partials: two slots per worker (the first and last tile of its run); atomic
-    # sums: one per tile. int32 offsets; 32-bit run bounds on units / workers reduced.
-    workers = max(1, min(workers, (_MAX_ELEMS - 1) // (2 * tile_elems)))
-    units = tiles * -(-K // cfg.tile_k)
-    run_gcd = math.gcd(units, workers)
-    check_run_bounds(units // run_gcd, workers, "GEMM")
-    handover = hands_over(M, N, cfg, workers)
-    atomic = handover and not deterministic
-    if not handover:  # the kernel reads no workspace and no counter: pass any buffer
+    atomic = plan_.handover and not deterministic
+    if not plan_.handover:  # the kernel reads no workspace and no counter: pass any buffer
         ws, counters = bufs.get(0, 0, atomic)
-    else:
-        ws_elems = tiles * tile_elems if atomic else 2 * workers * tile_elems
-        ws, counters = bufs.get(ws_elems, tiles, atomic)
+    else:  # atomic sums: one slab per tile; ordered partials: two per worker
+        slabs = plan_.tiles if atomic else 2 * plan_.workers
+        ws, counters = bufs.get(slabs * cfg.tile_m * cfg.tile_n, plan_.tiles, atomic)
 
     if not A2d.is_contiguous():
         A2d = A2d.contiguous()
@@ -245,7 +266,7 @@ def launch(
         bias = bias.contiguous()
     args = [
         A2d, packed, absmax, codebook, scale, bias if has_bias else dst, dst, ws, counters,
-        M, N, K, workers, run_gcd, int(has_bias), int(atomic),
+        M, N, K, plan_.workers, plan_.run_gcd, int(has_bias), int(atomic),
     ]  # fmt: skip
     try:
         fn(*args)
@@ -260,7 +281,8 @@ def launch(
 
 def dispatch_plan(M: int, N: int, K: int, k: int, dev: int) -> tuple[GemmConfig, int]:
     """(config, workers) that ``gemm_mma`` launches for this problem on CUDA device ``dev``."""
-    return _resolve(M, N, K, k, dev, None, None, None)
+    got = _resolve(M, N, K, k, dev, None, None, None)
+    return got.cfg, got.workers
 
 
 def hands_over(M: int, N: int, cfg: GemmConfig, workers: int) -> bool:
@@ -270,56 +292,53 @@ def hands_over(M: int, N: int, cfg: GemmConfig, workers: int) -> bool:
     return tiles % workers != 0
 
 
-def _resolve(M, N, K, k, dev, config, splits, workers) -> tuple[GemmConfig, int]:
-    """(config, workers): the caller's, or the table's for this shape (cached per shape)."""
+def _resolve(M, N, K, k, dev, config, splits, workers) -> _Launch:
+    """The caller's tiling and worker count, or the table's for this shape (cached)."""
     if config is None and splits is None and workers is None:
         key = (k, N, K, M, dev)
         got = _plans.get(key)
         if got is None:
-            got = _plans[key] = _table_workers(M, N, K, k, _device.check_device(dev), None)
+            props = _device.check_device(dev)
+            cfg, planned = plan(
+                M, N, K, k, props.sm_count, props.l2_bytes, props.smem_per_sm,
+                props.smem_per_block_optin,
+            )  # fmt: skip
+            _check_smem(cfg, k, props)
+            got = _plans[key] = _launch_plan(M, N, K, cfg, planned)
         return got
     if splits is not None and workers is not None:
         raise ValueError("pass splits or workers, not both")
+    for name, v in (("splits", splits), ("workers", workers)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
     props = _device.check_device(dev)
     if config is None:
-        cfg = None
+        cfg = plan(M, N, K, k, props.sm_count, props.l2_bytes, None, props.smem_per_block_optin)[0]
     elif isinstance(config, str):
         cfg = GemmConfig.parse(config)
     elif isinstance(config, GemmConfig):
         cfg = config
     else:
         raise TypeError(f"config must be a GemmConfig or its name, got {type(config).__name__}")
-    if cfg is not None:
-        problems = GemmKernel.problems(k, "f16", cfg)
-        if problems:
-            raise ValueError(f"GEMM config {cfg.name}: " + "; ".join(problems))
-    cfg, planned = _table_workers(M, N, K, k, props, cfg)
-    units = -(-M // cfg.tile_m) * -(-N // cfg.tile_n) * -(-K // cfg.tile_k)
-    for name, v in (("splits", splits), ("workers", workers)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
-    if splits is not None:
-        # Whole tiles times splits: runs of k_iters / splits slices (capped at one slice).
-        k_iters = -(-K // cfg.tile_k)
-        return cfg, units // k_iters * min(splits, k_iters)
-    if workers is not None:
-        return cfg, min(workers, units)  # a worker of no unit would only wait
-    return cfg, planned
-
-
-def _table_workers(M, N, K, k, props, cfg: GemmConfig | None) -> tuple[GemmConfig, int]:
-    """The table's tiling (or ``cfg``), fitted to this GPU, and the table's worker count."""
-    name, ctas_per_sm, max_splits = table_rule(k, M, weight_over_l2(N, K, k, props.l2_bytes))
-    cfg = _fitting(GemmConfig.parse(name) if cfg is None else cfg, k, props)
+    problems = GemmKernel.problems(k, "f16", cfg)
+    if problems:
+        raise ValueError(f"GEMM config {cfg.name}: " + "; ".join(problems))
     _check_smem(cfg, k, props)
-    resident = resident_ctas(cfg, k, props.smem_per_sm)
-    return cfg, plan_workers(M, N, K, cfg, props.sm_count, ctas_per_sm, max_splits, resident)
+    tiles = -(-M // cfg.tile_m) * -(-N // cfg.tile_n)
+    k_iters = -(-K // cfg.tile_k)
+    if splits is not None:  # whole tiles x splits (at most one K slice each)
+        n = tiles * min(splits, k_iters)
+    elif workers is not None:  # a worker of no unit would only wait
+        n = min(workers, tiles * k_iters)
+    else:  # the table's density for this tiling
+        n = plan(M, N, K, k, props.sm_count, props.l2_bytes, props.smem_per_sm, config=cfg)[1]
+    return _launch_plan(M, N, K, cfg, n)
 
 
-def _fitting(cfg: GemmConfig, k: int, props) -> GemmConfig:
+def _fitting(cfg: GemmConfig, k: int, smem_per_block: int) -> GemmConfig:
     """The table's config, or its compact-table twin where the lane-replicated pair table
-    does not fit this GPU's shared memory (the H100-measured table on an A100: 163 KB)."""
-    if cfg.lane_table and cfg.smem_bytes(k) > props.smem_per_block_optin:
+    does not fit ``smem_per_block`` bytes (the H100-measured table on an A100: 163 KB)."""
+    if cfg.lane_table and cfg.smem_bytes(k) > smem_per_block:
         return dataclasses.replace(cfg, lane_table=False)
     return cfg
 

@@ -4,7 +4,6 @@ on, extra tile configs compiling, the dispatch table logic and bad-input errors.
 
 import math
 import os
-import types
 
 import cutlass
 import cutlass.cute as cute
@@ -144,7 +143,7 @@ def test_table_rows_are_valid_and_cover_every_m():
             cfg = g.GemmConfig.parse(name)
             assert g.GemmKernel.can_implement(k, "f16", cfg), name
             # On an A100 (163 KB) the dispatcher falls back to the compact pair table.
-            a100 = gd._fitting(cfg, k, types.SimpleNamespace(smem_per_block_optin=163 * 1024))
+            a100 = gd._fitting(cfg, k, 163 * 1024)
             assert g.GemmKernel.can_implement(k, "f16", a100, smem_limit=163 * 1024), name
             assert ctas_per_sm >= 1 and max_splits >= 1
         for M in (5, 16, 17, 100, 4096, 1 << 20):
@@ -155,7 +154,7 @@ def test_lane_table_falls_back_where_it_does_not_fit():
     cfg = g.GemmConfig.parse("m128n256k64s3w2x4l")
     assert cfg.lane_table and cfg.name == "m128n256k64s3w2x4l"
     assert cfg.smem_bytes(5) - g.GemmConfig.parse("m128n256k64s3w2x4").smem_bytes(5) == 31 * 4096
-    h100, a100 = (types.SimpleNamespace(smem_per_block_optin=n * 1024) for n in (227, 163))
+    h100, a100 = 227 * 1024, 163 * 1024
     assert gd._fitting(cfg, 5, h100) == cfg
     assert gd._fitting(cfg, 5, a100) == g.GemmConfig.parse("m128n256k64s3w2x4")
     assert gd._fitting(cfg, 4, a100) == cfg  # 32 KB table: fits

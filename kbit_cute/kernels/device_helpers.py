@@ -466,16 +466,16 @@ def sum_split_partials(first: cute.Pointer, stride: Int32, splits: Int32) -> Flo
 
 # Stream-K run bounds in 32-bit unsigned arithmetic: a 64-bit division is a subroutine
 # call, in the prologue and on the split-K hand-over's path (the GEMV: 0.1-0.5 us per call).
-# The GEMV's units x worker slots < 2^32 (the host checks, ``check_run_bounds``). ``wide``
-# (the grouped stream kernel, whose unit count depends on the routing, and the GEMM, whose
-# split-K grids at large M exceed it): 32 bits where the product fits, checked at run
-# time, else 64.
+# The GEMV's units x worker slots < 2^32, the GEMM's once both are divided by their gcd
+# (the hosts check, ``check_run_bounds``). ``wide`` (the grouped stream kernel, whose unit
+# count depends on the routing): 32 bits where the product fits, checked at run time, else
+# 64.
 MAX_UNITS_X_WORKERS = 1 << 32
 
 
 def check_run_bounds(units: int, workers: int, kernel: str = "GEMV") -> None:
-    """Raise unless the 32-bit run arithmetic holds ``units`` x ``workers`` (worker
-    slots: CTAs x quads, idle ones included)."""
+    """Raise unless the 32-bit run arithmetic holds ``units`` x ``workers`` (GEMV: worker
+    slots, CTAs x quads, idle ones included; GEMM: units and CTAs divided by their gcd)."""
     if units * workers >= MAX_UNITS_X_WORKERS:
         raise ValueError(
             f"{units} (output tile, K tile) units x {workers} stream-K worker slots >= 2^32: "
