@@ -336,10 +336,10 @@ def _resolve(M, N, K, k, dev, config, splits, workers) -> _Launch:
 
 
 def _fitting(cfg: GemmConfig, k: int, smem_per_block: int) -> GemmConfig:
-    """The table's config, or its compact-table twin where the lane-replicated pair table
-    does not fit ``smem_per_block`` bytes (the H100-measured table on an A100: 163 KB)."""
-    if cfg.lane_table and cfg.smem_bytes(k) > smem_per_block:
-        return dataclasses.replace(cfg, lane_table=False)
+    """The table's config, or its compact-table twin where the pair table with a copy per
+    lane does not fit ``smem_per_block`` bytes (the H100-measured table on an A100: 163 KB)."""
+    if (cfg.lane_table or cfg.row_table) and cfg.smem_bytes(k) > smem_per_block:
+        return dataclasses.replace(cfg, lane_table=False, row_table=False)
     return cfg
 
 

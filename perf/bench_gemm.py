@@ -48,12 +48,16 @@ TABLE_PATH = Path(__file__).resolve().parent.parent / "kbit_cute" / "kernels" / 
 
 # Tuning: (bucket's m_max, representative M, candidate configs). The last bucket covers all
 # larger M; its representatives are 1024 and 4096.
-# Names ending in "l" use the lane-replicated pair table (GemmConfig.lane_table). Warp
+# Names ending in "l" use the lane-replicated pair table (GemmConfig.lane_table), in "r"
+# the row table (GemmConfig.row_table, k <= 4; the others skip those names). Warp
 # tiles stop at 64 x 32: 64 x 64 ones (m64n256 w1x4, m128n128 w2x2) reach 255 registers
 # and spill at some k or on sm_80, which the compile gate refuses.
 _LARGE_TILES = [
     "m64n128k64s3w1x4",
     "m64n128k64s3w1x4l",
+    "m64n128k64s3w1x4r",
+    "m128n128k64s3w2x4r",
+    "m64n256k64s3w1x8r",
     "m128n128k64s3w2x4",
     "m128n128k64s3w2x4l",
     "m64n256k64s3w1x8",
@@ -62,12 +66,16 @@ _LARGE_TILES = [
 BUCKETS = [
     (16, [16], ["m16n128k64s4w1x4", "m16n128k128s4w1x4", "m16n256k64s4w1x4",
                 "m16n128k64s4w1x4l", "m16n128k128s4w1x4l", "m16n256k64s4w1x8l",
-                "m16n128k64s3w1x4l", "m16n128k128s3w1x4l", "m16n256k128s3w1x8l"]),
+                "m16n128k64s3w1x4l", "m16n128k128s3w1x4l", "m16n256k128s3w1x8l",
+                "m16n128k64s3w1x4r", "m16n128k128s3w1x4r", "m16n256k64s3w1x8r",
+                "m16n256k128s3w1x8r", "m16n128k64s4w1x4r"]),
     (32, [32], ["m32n128k64s4w1x4", "m32n128k64s4w1x2", "m32n256k64s4w1x4",
                 "m32n128k64s4w1x4l", "m32n128k64s4w1x2l", "m32n256k64s4w1x8l",
-                "m32n128k64s3w1x4l", "m32n128k128s3w1x4l"]),
+                "m32n128k64s3w1x4l", "m32n128k128s3w1x4l", "m32n128k64s3w1x4r",
+                "m32n128k128s3w1x4r", "m32n256k64s4w1x8r", "m32n128k64s4w1x4r"]),
     (64, [64], ["m64n128k64s3w1x4", "m64n128k64s3w1x4l", "m64n256k64s3w1x8l",
-                "m32n128k64s4w1x4l"]),
+                "m32n128k64s4w1x4l", "m64n128k64s3w1x4r", "m64n256k64s3w1x8r",
+                "m32n128k64s4w1x4r"]),
     (128, [128], _LARGE_TILES),
     (256, [256], _LARGE_TILES),
     (1 << 31, [1024, 4096], _LARGE_TILES),

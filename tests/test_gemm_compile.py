@@ -36,6 +36,21 @@ def test_pair_offsets_address_each_threads_pairs(k, gen):
                 assert (i0, i1) == (idx[blk, 8 * c + 2 * t], idx[blk, 8 * c + 2 * t + 1])
 
 
+@pytest.mark.parametrize("k", (2, 3, 4))
+def test_pair_row_offsets_address_each_lanes_copy(k, gen):
+    """Row-table addresses: 256 p + 4 lane, p decoding to the thread's element pairs."""
+    idx = torch.randint(0, 1 << k, (64, 32), generator=gen, dtype=torch.uint8)
+    packed = fmt.pack_bitplanes(idx, k).view(64, k)
+    for blk in range(64):
+        planes = [int(w) & 0xFFFFFFFF for w in packed[blk].tolist()]
+        for lane in (0, 5, 31):
+            t = lane % 4
+            for c, addr in enumerate(dh.pair_row_offsets(planes, t, k, 4 * lane)):
+                assert addr % 256 == 4 * lane and addr < 256 << (2 * k)
+                i0, i1 = dh.pair_table_index(addr // 256, k)
+                assert (i0, i1) == (idx[blk, 8 * c + 2 * t], idx[blk, 8 * c + 2 * t + 1])
+
+
 @pytest.mark.parametrize("k", KS)
 def test_pair_table_index_is_a_bijection(k):
     pairs = {dh.pair_table_index(p, k) for p in range(1 << (2 * k))}

@@ -19,7 +19,7 @@ TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 # Tilings outside the dispatch table, so every TILE_M / TILE_N / TILE_K / warps_m runs.
 EXTRA_CONFIGS = [
     "m16n256k128s4w1x8", "m64n256k64s3w1x8", "m128n128k128s3w1x8", "m128n128k64s3w2x4",
-    "m128n256k64s3w2x4l",
+    "m128n256k64s3w2x4l", "m16n256k128s3w1x8r", "m128n128k64s3w2x4r",
 ]  # fmt: skip
 
 
@@ -101,7 +101,8 @@ def test_every_tile_config(name, weights):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", KS)
 def test_lane_table_gives_the_same_bits(k, dtype, weights):
-    """The lane-replicated pair table holds the compact table's values: same bits out."""
+    """The pair tables with a copy per lane (lane-replicated, rows of 256 bytes: k <= 4)
+    hold the compact table's values: same bits out."""
     K, N = 1056, 1000
     qw = weights(K, N, k)
     A = torch.randn(37, K, device="cuda", dtype=dtype)
@@ -109,6 +110,9 @@ def test_lane_table_gives_the_same_bits(k, dtype, weights):
     assert rel_err(compact, reference(A, qw)) < TOL[dtype]
     lane = run(A, qw, config="m16n128k64s4w1x4l", splits=2, deterministic=True)
     assert torch.equal(lane, compact)
+    if k <= 4:
+        rows = run(A, qw, config="m16n128k64s4w1x4r", splits=2, deterministic=True)
+        assert torch.equal(rows, compact)
 
 
 @pytest.mark.parametrize("splits", [2, 5, 16])

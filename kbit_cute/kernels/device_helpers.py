@@ -346,6 +346,28 @@ def pair_offsets(planes: list, t, k: int) -> list:
     return [prmt(lo, hi, pair_offset_selector(c)) for c in range(4)]
 
 
+def pair_row_offsets(planes: list, t, k: int, lane4) -> list:
+    """k plane words of a block -> this thread's 4 byte addresses 256 p + lane4 in a pair
+    table of 256-byte rows, one 4-byte copy of entry p per lane (k <= 4: p has 2k <= 8
+    bits). Same 2k + 4 instructions as ``pair_offsets``, and the lane's copy costs nothing
+    more: plane b rotated right by 2t - 2b puts pair c's bits at 2b, 2b + 1 of byte c (p
+    whole in byte c), and the PRMT takes byte 0 from ``lane4`` (4 x lane, < 128: its sign
+    fills bytes 2, 3 with zeros) and byte 1 from byte c."""
+    host = isinstance(t, int)
+    lo = None
+    for b in range(k):
+        mask = _PAIR_MASK << (2 * b)
+        if host:
+            term = _rotr_host(planes[b], (2 * t - 2 * b) & 31) & mask
+        else:
+            term = rotr(Uint32(planes[b]), (t * 2 + (32 - 2 * b)) & 31) & Uint32(mask)
+        lo = term if lo is None else lo | term
+    sel = [4 | (c << 4) | (0xC << 8) | (0xC << 12) for c in range(4)]
+    if host:
+        return [_prmt_host(lo, lane4, sel[c]) for c in range(4)]
+    return [prmt(lo, Uint32(lane4), sel[c]) for c in range(4)]
+
+
 def _rotr_host(x: int, n: int) -> int:
     x &= 0xFFFFFFFF
     return ((x >> n) | (x << (32 - n))) & 0xFFFFFFFF if n else x

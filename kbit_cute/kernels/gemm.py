@@ -20,8 +20,10 @@ runs, one per CTA; a run is the end of one tile's K, whole tiles, and the start 
   shared table of 2^(2k) packed codebook pairs (one LDS gives both halves of a B register),
   and one HFMA2 applies the block's absmax, made from its E4M4 byte by one IMAD
   (``absmax_x2``). The table is compact (random lookups conflict: ~2 wavefronts per LDS
-  at k = 4, measured) or, with ``GemmConfig.lane_table``, one copy per lane (conflict-free,
-  32x the memory, one LEA more per lookup); the dispatch table picks by measurement.
+  at k = 4, measured), or one copy per lane (conflict-free): ``GemmConfig.lane_table``
+  (32x the memory, one LEA more per lookup) or ``GemmConfig.row_table`` (64x, k <= 4, the
+  PRMT makes the lane's address: ``pair_row_offsets``); the dispatch table picks by
+  measurement.
 * Software pipelining: the next 32-weight block's B registers are dequantized while the
   current block's MMAs run (its plane words and absmax read from shared memory one block
   ahead), A fragments are loaded one k16 step ahead, and the next stage is waited for on
@@ -52,6 +54,7 @@ from .device_helpers import (
     g2s_copy_atom,
     mul_x2,
     pair_offsets,
+    pair_row_offsets,
     prmt,
     run_start,
     smem_per_sm,
@@ -66,6 +69,7 @@ _TILE_ABSMAX = TILE_N * BLOCKS_PER_TILE_K  # absmax bytes of one repack tile
 _CHUNK = 16  # bytes per cp.async
 _C_PAD = 8  # elements of padding per epilogue row: rows start 4 banks apart (no conflicts)
 _LANES = 32  # copies of a lane-replicated pair table: entry p of lane l at p * 128 + l * 4
+_ROW_BYTES = 256  # row of a row table: entry p of lane l at p * 256 + l * 4
 _REDUCE_FLOATS = 64  # partial values a thread loads per round of the ordered reduction
 _BOUNDED_REGS = 168  # registers per thread of 3 CTAs of 128 threads (min_ctas_per_sm)
 
@@ -87,6 +91,11 @@ class GemmConfig:
     # banks instead of conflicting (~2 wavefronts per LDS), for 32x the table's memory and
     # one LEA per lookup. Measurement decides per (k, M bucket) (perf/bench_gemm.py).
     lane_table: bool = False
+    # One copy per lane in rows of 256 bytes (name suffix "r", k <= 4): entry p of lane l at
+    # 256 p + 4 l, which the pair's PRMT assembles from the index byte and the lane byte
+    # (``pair_row_offsets``), so the lane costs no instruction (the lane table's LEA is one
+    # in ~9 of the mainloop's). Twice the lane table's memory (half of each row unused).
+    row_table: bool = False
 
     @property
     def threads(self) -> int:
@@ -96,7 +105,9 @@ class GemmConfig:
     def name(self) -> str:
         return (
             f"m{self.tile_m}n{self.tile_n}k{self.tile_k}s{self.stages}"
-            f"w{self.warps_m}x{self.warps_n}" + ("l" if self.lane_table else "")
+            f"w{self.warps_m}x{self.warps_n}"
+            + ("l" if self.lane_table else "")
+            + ("r" if self.row_table else "")
         )
 
     @staticmethod
@@ -104,10 +115,13 @@ class GemmConfig:
         """Inverse of ``name`` (the dispatch table stores names)."""
         import re
 
-        m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)x(\d+)(l?)", name)
+        m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)x(\d+)([lr]?)", name)
         if m is None:
             raise ValueError(f"not a GEMM config name: {name!r}")
-        return GemmConfig(*(int(x) for x in m.groups()[:-1]), lane_table=m.group(7) == "l")
+        table = m.group(7)
+        return GemmConfig(
+            *(int(x) for x in m.groups()[:-1]), lane_table=table == "l", row_table=table == "r"
+        )
 
     def problems(self) -> list[str]:
         """Why this config cannot be compiled (empty when it can)."""
@@ -126,6 +140,8 @@ class GemmConfig:
             out.append(f"warps_n={self.warps_n} must be a power of two <= 16 dividing tile_n/8")
         if self.threads > 512:
             out.append(f"{self.threads} threads per CTA; at most 512")
+        if self.lane_table and self.row_table:
+            out.append("lane_table and row_table are two layouts of one table: pick one")
         if self.threads < self.tile_k:
             # A copy passes must advance whole 8-row swizzle atoms.
             out.append(f"{self.threads} threads cannot copy A rows of tile_k={self.tile_k}")
@@ -146,6 +162,8 @@ def _smem_plan(cfg: GemmConfig, k: int) -> dict:
     epi = cfg.tile_m * (cfg.tile_n + _C_PAD) * 2
     union = -(-max(pipe, epi) // 1024) * 1024
     table = (4 << (2 * k)) * (_LANES if cfg.lane_table else 1)
+    if cfg.row_table:
+        table = _ROW_BYTES << (2 * k)
     return dict(
         a=0,
         w=cfg.stages * a_stage,
@@ -204,6 +222,8 @@ class GemmKernel:
             out.append(f"k must be 2..5, got {k}")
         if dtype not in _DTYPES:
             out.append(f"dtype must be 'f16' or 'bf16', got {dtype!r}")
+        if config.row_table and k > 4:
+            out.append(f"a row table needs 2k <= 8 index bits, k={k}")
         return out
 
     @staticmethod
@@ -488,11 +508,12 @@ class GemmKernel:
 
     def table_store_bytes(self) -> int:
         """Bytes of one pair-table store: an entry, or 4 lanes' copies of one."""
-        return 16 if self.cfg.lane_table else 4
+        return 16 if self.cfg.lane_table or self.cfg.row_table else 4
 
     def table_stores(self) -> int:
-        """Stores that fill the pair table."""
-        return self.plan["table_bytes"] // self.table_store_bytes()
+        """Stores that fill the pair table (a row table's used halves)."""
+        used = self.plan["table_bytes"] // (2 if self.cfg.row_table else 1)
+        return used // self.table_store_bytes()
 
     def table_passes(self) -> int:
         """Store passes of the CTA over the pair table."""
@@ -500,10 +521,12 @@ class GemmKernel:
 
     def table_plan(self, tidx, i: int):
         """Pair-table build, pass i < table_passes(): ((entry, byte offset in the table) the
-        thread's store writes, active). Lane-replicated: store q writes lanes 4 (q % 8) ..
-        4 (q % 8) + 3 of entry q // 8."""
+        thread's store writes, active). One copy per lane: store q writes lanes 4 (q % 8) ..
+        4 (q % 8) + 3 of entry q // 8 (in the first half of its row in a row table)."""
         q = tidx + i * self.threads
         active = self.table_stores() % self.threads == 0 or q < self.table_stores()
+        if self.cfg.row_table:
+            return (q // 8, (q // 8) * _ROW_BYTES + (q % 8) * 16), active
         if self.cfg.lane_table:
             return (q // 8, q * 16), active
         return (q, q * 4), active
@@ -664,11 +687,15 @@ class GemmKernel:
     def dequant_block(self, sTable_u8, rP, rS, tCrB32, blk, t4):
         """B registers of k16 steps 2 blk and 2 blk + 1 (one 32-weight block), every rep."""
         k = self.k
-        lane4 = (cute.arch.lane_idx() * 4) if self.cfg.lane_table else None
+        one_per_lane = self.cfg.lane_table or self.cfg.row_table
+        lane4 = (cute.arch.lane_idx() * 4) if one_per_lane else None
         kb2 = blk % BLOCKS_PER_TILE_K
         for j in cutlass.range_constexpr(self.nj):
             planes = [Uint32(rP[kb2 * k + b, j]) for b in range(k)]
-            offsets = pair_offsets(planes, t4, k)
+            if cutlass.const_expr(self.cfg.row_table):
+                offsets = pair_row_offsets(planes, t4, k, lane4)
+            else:
+                offsets = pair_offsets(planes, t4, k)
             code = prmt(Uint32(rS[j]), Uint32(0), 0x4440 | kb2)  # byte kb2, zero-extended
             scale_x2 = absmax_x2(code, self.dtype_name)
             for c in cutlass.range_constexpr(4):
@@ -679,7 +706,8 @@ class GemmKernel:
     @cute.jit
     def table_load(self, sTable_u8, off, lane4):
         """32-bit entry of the pair table at compact byte offset ``off`` (4 x the pair
-        index); in a lane-replicated table, this lane's copy (``lane4`` = 4 x lane)."""
+        index); in a lane-replicated table, this lane's copy (``lane4`` = 4 x lane); in a
+        row table ``off`` is the lane's copy already."""
         if cutlass.const_expr(self.cfg.lane_table):
             off = (Int32(off) << 5) + lane4  # one LEA
         ptr = cute.recast_ptr(sTable_u8 + cute.assume(Int32(off), divby=4), dtype=Int32)
