@@ -60,11 +60,16 @@ def table_rule(k: int, M: int, weight_over_l2: bool = False) -> tuple[str, int, 
     return name, ctas_per_sm, max_splits
 
 
+def output_tiles(M: int, N: int, cfg: GemmConfig) -> int:
+    """TILE_M x TILE_N output tiles of an M x N problem."""
+    return -(-M // cfg.tile_m) * -(-N // cfg.tile_n)
+
+
 def choose_splits(
     M: int, N: int, K: int, cfg: GemmConfig, sm_count: int, ctas_per_sm: int, max_splits: int
 ) -> int:
     """K splits so that tiles x splits reaches ctas_per_sm x SMs, each split >= 2 K slices."""
-    tiles = -(-M // cfg.tile_m) * -(-N // cfg.tile_n)
+    tiles = output_tiles(M, N, cfg)
     k_iters = -(-K // cfg.tile_k)
     want = -(-ctas_per_sm * sm_count // tiles)
     return max(1, min(want, max_splits, k_iters // MIN_K_ITERS_PER_SPLIT))
@@ -83,9 +88,8 @@ def plan_workers(
     at M = 32: 224 tiles on 132 SMs). Several M tiles: whole tiles times ``choose_splits``,
     the split-K grid. There the CTAs that share a weight tile must run at the same time
     for its second read to hit the L2, which runs through consecutive tiles would undo."""
-    m_tiles = -(-M // cfg.tile_m)
-    tiles = m_tiles * -(-N // cfg.tile_n)
-    if m_tiles > 1:
+    tiles = output_tiles(M, N, cfg)
+    if M > cfg.tile_m:
         return tiles * choose_splits(M, N, K, cfg, sm_count, ctas_per_sm, max_splits)
     units = tiles * -(-K // cfg.tile_k)
     per_sm = ctas_per_sm if resident is None else max(1, min(ctas_per_sm, resident))
@@ -105,8 +109,9 @@ def plan(
     """The table's (config, workers) for this problem on a GPU with ``sm_count`` SMs,
     ``l2_bytes`` of L2 (None: the weight is taken to fit), ``smem_per_sm`` bytes of shared
     memory per SM (None: no residency limit) and ``smem_per_block`` per CTA (None: the
-    table's tiling as written; else its compact-table twin where the lane table does not
-    fit). ``config``: that tiling instead of the table's, with the table's worker density."""
+    table's tiling as written; else its compact-table twin where a pair table with a copy
+    per lane does not fit). ``config``: that tiling instead of the table's, with the
+    table's worker density."""
     name, ctas_per_sm, max_splits = table_rule(k, M, weight_over_l2(N, K, k, l2_bytes))
     cfg = config
     if cfg is None:
@@ -179,7 +184,7 @@ def _launch_plan(M: int, N: int, K: int, cfg: GemmConfig, workers: int) -> _Laun
     # Ordered partials take two slots per worker (the first and last tile of its run):
     # int32 workspace offsets; 32-bit run products once reduced by the gcd.
     workers = max(1, min(workers, (_MAX_ELEMS - 1) // (2 * cfg.tile_m * cfg.tile_n)))
-    tiles = -(-M // cfg.tile_m) * -(-N // cfg.tile_n)
+    tiles = output_tiles(M, N, cfg)
     units = tiles * -(-K // cfg.tile_k)
     run_gcd = math.gcd(units, workers)
     check_run_bounds(units // run_gcd, workers, "GEMM")
@@ -288,8 +293,7 @@ def dispatch_plan(M: int, N: int, K: int, k: int, dev: int) -> tuple[GemmConfig,
 def hands_over(M: int, N: int, cfg: GemmConfig, workers: int) -> bool:
     """Whether runs of ``workers`` CTAs end inside output tiles (then they hand over through
     the split-K workspace; else each CTA holds whole tiles)."""
-    tiles = -(-M // cfg.tile_m) * -(-N // cfg.tile_n)
-    return tiles % workers != 0
+    return output_tiles(M, N, cfg) % workers != 0
 
 
 def _resolve(M, N, K, k, dev, config, splits, workers) -> _Launch:
@@ -324,7 +328,7 @@ def _resolve(M, N, K, k, dev, config, splits, workers) -> _Launch:
     if problems:
         raise ValueError(f"GEMM config {cfg.name}: " + "; ".join(problems))
     _check_smem(cfg, k, props)
-    tiles = -(-M // cfg.tile_m) * -(-N // cfg.tile_n)
+    tiles = output_tiles(M, N, cfg)
     k_iters = -(-K // cfg.tile_k)
     if splits is not None:  # whole tiles x splits (at most one K slice each)
         n = tiles * min(splits, k_iters)
@@ -338,7 +342,7 @@ def _resolve(M, N, K, k, dev, config, splits, workers) -> _Launch:
 def _fitting(cfg: GemmConfig, k: int, smem_per_block: int) -> GemmConfig:
     """The table's config, or its compact-table twin where the pair table with a copy per
     lane does not fit ``smem_per_block`` bytes (the H100-measured table on an A100: 163 KB)."""
-    if (cfg.lane_table or cfg.row_table) and cfg.smem_bytes(k) > smem_per_block:
+    if cfg.copy_per_lane and cfg.smem_bytes(k) > smem_per_block:
         return dataclasses.replace(cfg, lane_table=False, row_table=False)
     return cfg
 

@@ -332,11 +332,7 @@ def _gemm_stores(kern, a_stage0) -> dict[str, Entry]:
         ),
         "table_store_smem": SmemAccess(
             f"pair table, 2^{2 * kern.k} packed codebook pairs"
-            + (
-                ", one copy per lane: 16 B (4 lanes' copies)"
-                if cfg.lane_table or cfg.row_table
-                else ": 4 B"
-            )
+            + (", one copy per lane: 16 B (4 lanes' copies)" if cfg.copy_per_lane else ": 4 B")
             + " per thread and pass (table_plan)",
             by_pass(
                 kern.table_plan,

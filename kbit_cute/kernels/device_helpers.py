@@ -307,9 +307,20 @@ def pair_table_index(p: int, k: int) -> tuple[int, int]:
 _PAIR_MASK = 0x03030303
 
 
-def pair_rotation(t, b: int):
-    """Right-rotation of plane b for lane quad position t (an int or a traced Int32)."""
-    return (t * 2 + (32 - 2 - 2 * b)) & 31
+def _pair_bits(plane, t, to_bit: int, mask: int):
+    """Plane word rotated right by 2t - ``to_bit``: the thread's pair c (bits 8c + 2t, + 1)
+    lands at bits 8c + to_bit, + 1; then ``mask``. One SHF and one LOP3 (the mask and the
+    caller's OR). Host ints when ``t`` is an int (the host tests run this same code)."""
+    if isinstance(t, int):
+        return _rotr_host(plane, (2 * t - to_bit) & 31) & mask
+    return rotr(Uint32(plane), (t * 2 + (32 - to_bit)) & 31) & Uint32(mask)
+
+
+def _prmt4(a, b, selectors: list, t) -> list:
+    """``prmt(a, b, s)`` for each selector s (host ints when ``t`` is an int)."""
+    if isinstance(t, int):
+        return [_prmt_host(a, b, s) for s in selectors]
+    return [prmt(a, Uint32(b), s) for s in selectors]
 
 
 def pair_mask(b: int) -> int:
@@ -328,22 +339,16 @@ def pair_offsets(planes: list, t, k: int) -> list:
     2k + 4 instructions for 8 weights: k rotates, k LOP3 and 4 PRMT. ``planes`` are traced
     Uint32 values, or Python ints with ``t`` an int (host tests run this same code).
     """
-    host = isinstance(t, int)
     lo = hi = None
     for b in range(k):
-        if host:
-            term = _rotr_host(planes[b], pair_rotation(t, b)) & pair_mask(b)
-        else:
-            term = rotr(Uint32(planes[b]), pair_rotation(t, b)) & Uint32(pair_mask(b))
+        term = _pair_bits(planes[b], t, 2 + 2 * b, pair_mask(b))
         if b <= 2:
             lo = term if lo is None else lo | term
         else:
             hi = term if hi is None else hi | term
     if hi is None:
-        hi = 0 if host else Uint32(0)
-    if host:
-        return [_prmt_host(lo, hi, pair_offset_selector(c)) for c in range(4)]
-    return [prmt(lo, hi, pair_offset_selector(c)) for c in range(4)]
+        hi = 0
+    return _prmt4(lo, hi, [pair_offset_selector(c) for c in range(4)], t)
 
 
 def pair_row_offsets(planes: list, t, k: int, lane4) -> list:
@@ -353,19 +358,11 @@ def pair_row_offsets(planes: list, t, k: int, lane4) -> list:
     more: plane b rotated right by 2t - 2b puts pair c's bits at 2b, 2b + 1 of byte c (p
     whole in byte c), and the PRMT takes byte 0 from ``lane4`` (4 x lane, < 128: its sign
     fills bytes 2, 3 with zeros) and byte 1 from byte c."""
-    host = isinstance(t, int)
     lo = None
     for b in range(k):
-        mask = _PAIR_MASK << (2 * b)
-        if host:
-            term = _rotr_host(planes[b], (2 * t - 2 * b) & 31) & mask
-        else:
-            term = rotr(Uint32(planes[b]), (t * 2 + (32 - 2 * b)) & 31) & Uint32(mask)
+        term = _pair_bits(planes[b], t, 2 * b, _PAIR_MASK << (2 * b))
         lo = term if lo is None else lo | term
-    sel = [4 | (c << 4) | (0xC << 8) | (0xC << 12) for c in range(4)]
-    if host:
-        return [_prmt_host(lo, lane4, sel[c]) for c in range(4)]
-    return [prmt(lo, Uint32(lane4), sel[c]) for c in range(4)]
+    return _prmt4(lo, lane4, [4 | (c << 4) | (0xC << 8) | (0xC << 12) for c in range(4)], t)
 
 
 def _rotr_host(x: int, n: int) -> int:

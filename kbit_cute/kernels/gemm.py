@@ -98,6 +98,11 @@ class GemmConfig:
     row_table: bool = False
 
     @property
+    def copy_per_lane(self) -> bool:
+        """Whether the pair table holds one copy per lane (lane or row layout)."""
+        return self.lane_table or self.row_table
+
+    @property
     def threads(self) -> int:
         return 32 * self.warps_m * self.warps_n
 
@@ -508,7 +513,7 @@ class GemmKernel:
 
     def table_store_bytes(self) -> int:
         """Bytes of one pair-table store: an entry, or 4 lanes' copies of one."""
-        return 16 if self.cfg.lane_table or self.cfg.row_table else 4
+        return 16 if self.cfg.copy_per_lane else 4
 
     def table_stores(self) -> int:
         """Stores that fill the pair table (a row table's used halves)."""
@@ -687,8 +692,7 @@ class GemmKernel:
     def dequant_block(self, sTable_u8, rP, rS, tCrB32, blk, t4):
         """B registers of k16 steps 2 blk and 2 blk + 1 (one 32-weight block), every rep."""
         k = self.k
-        one_per_lane = self.cfg.lane_table or self.cfg.row_table
-        lane4 = (cute.arch.lane_idx() * 4) if one_per_lane else None
+        lane4 = (cute.arch.lane_idx() * 4) if self.cfg.copy_per_lane else None
         kb2 = blk % BLOCKS_PER_TILE_K
         for j in cutlass.range_constexpr(self.nj):
             planes = [Uint32(rP[kb2 * k + b, j]) for b in range(k)]
