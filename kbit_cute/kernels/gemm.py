@@ -96,6 +96,10 @@ class GemmConfig:
     # (``pair_row_offsets``), so the lane costs no instruction (the lane table's LEA is one
     # in ~9 of the mainloop's). Twice the lane table's memory (half of each row unused).
     row_table: bool = False
+    # Warpgroup MMA (name suffix "g", sm_90a: ``gemm_wgmma.WgmmaGemmKernel``): the
+    # dequantized weights are wgmma's register operand, the activations its shared-memory
+    # operand; warps_n / 4 warpgroups of 64-column m tiles.
+    wgmma: bool = False
 
     @property
     def copy_per_lane(self) -> bool:
@@ -113,6 +117,7 @@ class GemmConfig:
             f"w{self.warps_m}x{self.warps_n}"
             + ("l" if self.lane_table else "")
             + ("r" if self.row_table else "")
+            + ("g" if self.wgmma else "")
         )
 
     @staticmethod
@@ -120,18 +125,32 @@ class GemmConfig:
         """Inverse of ``name`` (the dispatch table stores names)."""
         import re
 
-        m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)x(\d+)([lr]?)", name)
+        m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)x(\d+)([lr]?)(g?)", name)
         if m is None:
             raise ValueError(f"not a GEMM config name: {name!r}")
         table = m.group(7)
         return GemmConfig(
-            *(int(x) for x in m.groups()[:-1]), lane_table=table == "l", row_table=table == "r"
+            *(int(x) for x in m.groups()[:-2]),
+            lane_table=table == "l",
+            row_table=table == "r",
+            wgmma=m.group(8) == "g",
         )
 
     def problems(self) -> list[str]:
         """Why this config cannot be compiled (empty when it can)."""
         out = []
-        if self.tile_m not in (16, 32, 64, 128):
+        if self.wgmma:
+            # wgmma's N is the M tile (8..256); a warpgroup owns 64-column m tiles.
+            if self.tile_m not in (16, 32, 64, 128, 256):
+                out.append(f"tile_m must be 16, 32, 64, 128 or 256, got {self.tile_m}")
+            if self.warps_m != 1 or self.warps_n not in (4, 8):
+                out.append(
+                    f"wgmma takes 1 or 2 warpgroups along N (w1x4, w1x8), got "
+                    f"w{self.warps_m}x{self.warps_n}"
+                )
+            elif self.tile_n % (16 * self.warps_n):
+                out.append(f"tile_n={self.tile_n} is not a multiple of 64 per warpgroup")
+        elif self.tile_m not in (16, 32, 64, 128):
             out.append(f"tile_m must be 16, 32, 64 or 128, got {self.tile_m}")
         if self.tile_n not in (128, 256):
             out.append(f"tile_n must be 128 or 256, got {self.tile_n}")
@@ -379,11 +398,8 @@ class GemmKernel:
         a_off = self.a_copy_offsets(sA, mA, m_cta)
         n_tiles128 = (N + TILE_N - 1) // TILE_N
         k_tiles64 = (K + TILE_K - 1) // TILE_K
-        lane = tidx % 32
-        wn = (tidx // 32) // cfg.warps_m
-        t4 = lane % 4
-        # Column of rep 0 inside its repack tile: rep j adds 8 * warps_n * j.
-        col0 = wn * 8 + lane // 4
+        t4 = tidx % 4
+        col0 = self.rep0_column(tidx)
 
         # ---- prologue: fill stages - 1 buffers, then the first fragments
         for s in cutlass.range_constexpr(cfg.stages - 1):
@@ -482,6 +498,17 @@ class GemmKernel:
     # thread index and ``kbit_cute.layouts`` with ints (the bank-conflict maps of
     # ``python -m layouts kernel gemm``). Each gives one thread's (destination, active) in
     # one pass; ``active`` is a Python True where every thread is busy (no predicate).
+
+    # Which weight columns a thread dequantizes: ``nj`` reps, rep j at column
+    # rep0_column + rep_offset(j) of the CTA tile (the B fragments' columns of the MMA).
+
+    def rep0_column(self, tidx):
+        """Column of the thread's rep 0: its warp's n8 tile, lane / 4 inside it."""
+        return ((tidx // 32) // self.cfg.warps_m) * 8 + (tidx % 32) // 4
+
+    def rep_offset(self, j: int) -> int:
+        """Column offset of rep j from rep 0 (the warps' n8 tiles side by side)."""
+        return 8 * self.cfg.warps_n * j
 
     def a_copy_plan(self, tidx, i: int):
         """A cp.async, pass i < a_passes(): ((row, k) of the thread's 16-byte chunk in the
@@ -678,7 +705,8 @@ class GemmKernel:
         col_words = BLOCKS_PER_TILE_K * k  # a column's words in a repack tile: 16-byte
         align = 4 if k % 2 == 0 else 2  # aligned for even k, 8-byte for odd k
         for j in cutlass.range_constexpr(self.nj):
-            cj = 8 * cfg.warps_n * j
+            # rep0_column + rep_offset(j) % TILE_N stays inside rep 0's repack tile
+            cj = self.rep_offset(j)
             r = rk * self.rn_n + cj // TILE_N
             col = col0 + cj % TILE_N
             off = stage * (plan["w_stage"] // 4) + r * self.tile_words + col * col_words
@@ -705,7 +733,13 @@ class GemmKernel:
             for c in cutlass.range_constexpr(4):
                 pair = self.table_load(sTable_u8, offsets[c], lane4)
                 w = mul_x2(Uint32(pair), scale_x2, self.dtype)
-                tCrB32[(0, c % 2), j, 2 * blk + c // 2] = Int32(w)
+                self.set_pair(tCrB32, j, 2 * blk + c // 2, c % 2, Int32(w))
+
+    @cute.jit
+    def set_pair(self, frag32, j, step, half, w):
+        """Register of weight pair (column rep j, k16 ``step``, K half ``half``: pairs
+        2t and 2t + 8) in the B fragments."""
+        frag32[(0, half), j, step] = w
 
     @cute.jit
     def table_load(self, sTable_u8, off, lane4):
@@ -879,9 +913,14 @@ def gemm_spec(k: int, dtype: str, config: GemmConfig):
             fake_ptr(dt), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int32, 4),
             Int32(5), Int32(128), Int32(64), Int32(1), Int32(1), Int32(0), Int32(0), fake_stream(),
         )  # fmt: skip
+        if config.wgmma:
+            from .gemm_wgmma import WgmmaGemmKernel
+
+            return WgmmaGemmKernel(k, dtype, config), args
         return GemmKernel(k, dtype, config), args
 
-    return KernelSpec(f"gemm_k{k}_{dtype}_{config.name}", build, expect=("HMMA", "LDGSTS", "LDSM"))
+    expect = ("HGMMA", "LDGSTS") if config.wgmma else ("HMMA", "LDGSTS", "LDSM")
+    return KernelSpec(f"gemm_k{k}_{dtype}_{config.name}", build, expect=expect)
 
 
 def table_specs() -> list:

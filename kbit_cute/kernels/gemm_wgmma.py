@@ -1,0 +1,211 @@
+"""GEMM on Hopper's warpgroup MMA (sm_90a): ``GemmKernel`` with ``wgmma`` in place of
+mma.sync (config suffix "g").
+
+The weight is wgmma's A operand, from registers, and the activations its B operand, from
+shared memory: the MMA computes out^T = W A^T tile by tile, the weight columns on wgmma's
+M (64 per warpgroup and m tile) and the rows of A on its N (the CTA's M tile, 16..256).
+Everything else is the mma.sync kernel's: the stream-K schedule, the cp.async ring (A in
+the same 128-byte swizzle, which is wgmma's K-major SW128 layout), the pair-table
+dequant, the split-K hand-over and the epilogue (through a transposed view of its tile).
+
+Why: a thread of a warpgroup holds the A fragment of mma.sync's m16n8k16 for rows g and
+g + 8 of its warp's 16 rows, i.e. two of ``dequant_block``'s B columns, so the dequant
+is unchanged; but one wgmma replaces the warp's (M tile / 8) HMMA and its ldmatrix loads
+of A, and it runs asynchronously while the next block is dequantized.
+
+Pipelining: each k16 step's wgmma is its own commit group and the thread waits for all
+but the newest after issuing it (``wait_group(1)``), so registers are rewritten only
+after the wgmma that read them finished. A stage of the ring is refilled two k-slices
+after it was read (``stages - 2`` slices in flight), when its last wgmma is complete.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+from .gemm import GemmKernel
+
+_WARPGROUP = 128  # threads
+_M_TILE = 64  # weight columns of one wgmma (its M)
+
+
+class WgmmaGemmKernel(GemmKernel):
+    """``GemmKernel`` with the weight tile as wgmma's register operand (sm_90a)."""
+
+    def __init__(self, k: int, dtype: str, config):
+        super().__init__(k, dtype, config)
+        self.groups = config.threads // _WARPGROUP
+        self.m_tiles = config.tile_n // (_M_TILE * self.groups)  # per warpgroup
+        self.nj = 2 * self.m_tiles  # columns g and g + 8 of each m tile
+
+    def min_ctas_per_sm(self) -> int:
+        return 0
+
+    def make_tiled_mma(self):
+        """wgmma m64 x tile_m x k16, A (weights) from registers, B (activations) K-major
+        from shared memory; warpgroups side by side along the weight columns."""
+        op = warpgroup.MmaF16BF16Op(
+            self.dtype, Float32, (_M_TILE, self.cfg.tile_m, 16),
+            warpgroup.OperandSource.RMEM, OperandMajorMode.K, OperandMajorMode.K,
+        )  # fmt: skip
+        return cute.make_tiled_mma(op, cute.make_layout((self.groups, 1, 1)))
+
+    # A thread holds rows g and g + 8 (g = lane / 4) of its warp's 16 rows of each m tile.
+
+    def rep0_column(self, tidx):
+        warp = tidx // 32
+        return (warp // 4) * _M_TILE + (warp % 4) * 16 + (tidx % 32) // 4
+
+    def rep_offset(self, j: int) -> int:
+        return _M_TILE * self.groups * (j // 2) + 8 * (j % 2)
+
+    @cute.jit
+    def set_pair(self, frag32, j, step, half, w):
+        # wgmma's register A, per k16 step: (row g, k 2t), (g + 8, 2t), (g, 2t + 8),
+        # (g + 8, 2t + 8), one 32-bit pair each.
+        frag32[(0, j % 2, half), j // 2, step] = w
+
+    def b_smem_tensor(self, base_u8):
+        """The A ring (``a_smem_layout``'s bytes) as wgmma's B operand: the same 8 x 64
+        atoms with the swizzle on the pointer, which is how descriptors are made."""
+        cfg = self.cfg
+        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
+        layout = cute.tile_to_shape(atom, (cfg.tile_m, cfg.tile_k, cfg.stages), (0, 1, 2))
+        ptr = cute.recast_ptr(base_u8 + self.plan["a"], layout.inner, dtype=self.dtype)
+        return cute.make_tensor(ptr, layout.outer)
+
+    @cute.jit
+    def tile(
+        self, base_u8, pA, pPacked, pAbsmax, pScale, pBias, pOut, pWorkspace, pCounters,
+        M, N, K, has_bias, atomic, m_cta, n_cta, tile, kt_begin, kt_end, handover,
+    ):  # fmt: skip
+        cfg, k, plan = self.cfg, self.k, self.plan
+        tidx, _, _ = cute.arch.thread_idx()
+        n_iter = kt_end - kt_begin
+
+        sA = cute.make_tensor(
+            cute.recast_ptr(base_u8 + plan["a"], dtype=self.dtype), self.a_smem_layout()
+        )  # (TILE_M, TILE_K, stages): the cp.async side
+        sW = cute.recast_ptr(base_u8 + plan["w"], dtype=Int32)
+        sS = base_u8 + plan["s"]
+        sTable_u8 = base_u8 + plan["table"]
+        sFlag = cute.make_tensor(
+            cute.recast_ptr(base_u8 + plan["flag"], dtype=Int32), cute.make_layout(1)
+        )
+
+        tiled_mma = self.make_tiled_mma()
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)  # onto the zeroed accumulators
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(self.b_smem_tensor(base_u8)))
+        stand_in = cute.make_tensor(sA.iterator, cute.make_layout((cfg.tile_n, cfg.tile_k)))
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(stand_in))  # ((2,2,2), MT, KS)
+        tCrA32 = cute.recast_tensor(tCrA, Int32)  # ((1,2,2), MT, KS)
+        stand_in = cute.make_tensor(sA.iterator, cute.make_layout((cfg.tile_n, cfg.tile_m)))
+        tCrC = tiled_mma.make_fragment_C(thr_mma.partition_C(stand_in))
+        tCrC.fill(0.0)
+
+        mA = cute.make_tensor(pA, cute.make_layout((M, K), stride=(K, 1)))
+        a_off = self.a_copy_offsets(sA, mA, m_cta)
+        n_tiles128 = (N + 127) // 128
+        k_tiles64 = (K + 63) // 64
+        t4 = tidx % 4
+        col0 = self.rep0_column(tidx)
+
+        # ---- prologue: stages - 2 slices in flight (a stage is refilled two slices after
+        # it was read, when its wgmmas are known complete)
+        ahead = cfg.stages - 2
+        for s in cutlass.range_constexpr(ahead):
+            if s < n_iter:
+                self.load_stage(
+                    pPacked, pAbsmax, sA, sW, sS, mA, a_off, kt_begin + s, s, n_cta,
+                    n_tiles128, k_tiles64,
+                )  # fmt: skip
+            cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(ahead - 1)
+        cute.arch.sync_threads()
+
+        rP = cute.make_rmem_tensor((2 * k, self.nj), Int32)
+        rS = cute.make_rmem_tensor((self.nj,), Int32)
+        read_stage = Int32(0)
+        write_stage = Int32(ahead)
+        self.load_b_rk(sW, sS, rP, rS, read_stage, 0, col0)
+        self.dequant_block(sTable_u8, rP, rS, tCrA32, 0, t4)
+
+        nb = self.ks // 2  # 32-weight blocks per k-slice: two k16 steps each
+        for it in cutlass.range(n_iter, unroll=1):
+            for blk in cutlass.range_constexpr(nb):
+                # The block's two wgmmas are one commit group; after its wait only that
+                # group is in flight, so every other block's registers, and the stage read
+                # two slices ago, are free while it runs.
+                warpgroup.fence()
+                for s in cutlass.range_constexpr(2 * blk, 2 * blk + 2):
+                    cute.gemm(
+                        tiled_mma, tCrC, tCrA[None, None, s], tCrB[None, None, s, read_stage],
+                        tCrC,
+                    )  # fmt: skip
+                warpgroup.commit_group()
+                warpgroup.wait_group(1)
+                if blk == 0:
+                    kt_next = kt_begin + it + ahead
+                    if kt_next < kt_end:
+                        self.load_stage(
+                            pPacked, pAbsmax, sA, sW, sS, mA, a_off, kt_next, write_stage,
+                            n_cta, n_tiles128, k_tiles64,
+                        )  # fmt: skip
+                    cute.arch.cp_async_commit_group()
+                    write_stage = write_stage + 1
+                    if write_stage == cfg.stages:
+                        write_stage = 0
+                # The next block's registers, while this block's wgmmas run.
+                if blk == nb - 1:
+                    # After the barrier every warpgroup's earlier groups are complete (the
+                    # stage two slices back is free) and the next slice's stage has landed.
+                    read_stage = read_stage + 1
+                    if read_stage == cfg.stages:
+                        read_stage = 0
+                    cute.arch.cp_async_wait_group(ahead - 1)
+                    cute.arch.sync_threads()
+                    self.load_b_rk(sW, sS, rP, rS, read_stage, 0, col0)
+                    self.dequant_block(sTable_u8, rP, rS, tCrA32, 0, t4)
+                else:
+                    if (blk + 1) % 2 == 0:
+                        self.load_b_rk(sW, sS, rP, rS, read_stage, (blk + 1) // 2, col0)
+                    self.dequant_block(sTable_u8, rP, rS, tCrA32, blk + 1, t4)
+
+        warpgroup.wait_group(0)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+
+        self.epilogue(
+            thr_mma, tCrC, base_u8, sFlag, pScale, pBias, pOut, pWorkspace, pCounters,
+            M, N, has_bias, atomic, m_cta, n_cta, tile, handover,
+        )  # fmt: skip
+
+    @cute.jit
+    def store_tile(self, thr_mma, tCrC, base_u8, pScale, pBias, pOut, M, N, has_bias, m_cta, n_cta):
+        """As ``GemmKernel.store_tile``; the accumulators are (weight column, row) of the
+        tile, so they go through the transposed view of the staging tile."""
+        cfg = self.cfg
+        m0, n0 = m_cta * cfg.tile_m, n_cta * cfg.tile_n
+        sC_t = cute.make_tensor(
+            cute.recast_ptr(base_u8, dtype=self.dtype),
+            cute.make_layout((cfg.tile_n, cfg.tile_m), stride=(1, cfg.tile_n + 8)),
+        )
+        assert cute.cosize(sC_t.layout) == cute.cosize(self.c_smem_layout())
+        tCsC = thr_mma.partition_C(sC_t)
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_n, cfg.tile_m)))
+        scale = cute.make_tensor(pScale, cute.make_layout(1))[0]
+        mBias = cute.make_tensor(pBias, cute.make_layout(N))
+        tCrD = cute.make_fragment_like(tCrC, self.dtype)
+        for v in cutlass.range_constexpr(cute.size(tCrC)):
+            r = tCrC[v] * scale
+            if has_bias != 0:
+                r = r + Float32(mBias[cutlass.min(n0 + tCcC[v][0], N - 1)])
+            tCrD[v] = self.dtype(r)
+        cute.autovec_copy(tCrD, tCsC)
+        cute.arch.sync_threads()
+        sC = cute.make_tensor(cute.recast_ptr(base_u8, dtype=self.dtype), self.c_smem_layout())
+        self.copy_out(sC, pOut, M, N, m0, n0, cfg.tile_n)
