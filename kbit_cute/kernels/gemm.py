@@ -701,7 +701,7 @@ class GemmKernel:
     def load_b_rk(self, sW, sS, rP, rS, stage, rk, col0):
         """All 2k plane words (both K blocks) of repack k-tile ``rk`` of buffer ``stage`` for
         this thread's NJ columns, and their absmax byte pairs."""
-        cfg, k, plan = self.cfg, self.k, self.plan
+        k, plan = self.k, self.plan
         col_words = BLOCKS_PER_TILE_K * k  # a column's words in a repack tile: 16-byte
         align = 4 if k % 2 == 0 else 2  # aligned for even k, 8-byte for odd k
         for j in cutlass.range_constexpr(self.nj):
