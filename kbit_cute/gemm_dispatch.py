@@ -31,7 +31,7 @@ from .compile import MisalignedError, current_raw_stream, launcher
 from .format import BLOCK, KbitWeight, padded_shape
 from .kernels import gemm_table
 from .kernels.device_helpers import check_run_bounds
-from .kernels.gemm import GemmConfig, GemmKernel, gemm_spec
+from .kernels.gemm import GemmConfig, GemmKernel, for_arch, gemm_spec
 
 _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 MIN_K_ITERS_PER_SPLIT = 2  # a split shorter than this is mostly pipeline fill and drain
@@ -104,18 +104,19 @@ def resident_ctas(cfg: GemmConfig, k: int, smem_per_sm: int) -> int:
 def plan(
     M: int, N: int, K: int, k: int, sm_count: int, l2_bytes: int | None = None,
     smem_per_sm: int | None = None, smem_per_block: int | None = None,
-    config: GemmConfig | None = None,
+    config: GemmConfig | None = None, arch: str = "sm_90a",
 ) -> tuple[GemmConfig, int]:  # fmt: skip
     """The table's (config, workers) for this problem on a GPU with ``sm_count`` SMs,
     ``l2_bytes`` of L2 (None: the weight is taken to fit), ``smem_per_sm`` bytes of shared
     memory per SM (None: no residency limit) and ``smem_per_block`` per CTA (None: the
     table's tiling as written; else its compact-table twin where a pair table with a copy
     per lane does not fit). ``config``: that tiling instead of the table's, with the
-    table's worker density."""
+    table's worker density. ``arch``: the device's target (wgmma rows take their mma.sync
+    twin before sm_90a: ``gemm.for_arch``)."""
     name, ctas_per_sm, max_splits = table_rule(k, M, weight_over_l2(N, K, k, l2_bytes))
     cfg = config
     if cfg is None:
-        cfg = GemmConfig.parse(name)
+        cfg = for_arch(GemmConfig.parse(name), arch)
         if smem_per_block is not None:
             cfg = _fitting(cfg, k, smem_per_block)
     resident = None if smem_per_sm is None else resident_ctas(cfg, k, smem_per_sm)
@@ -305,7 +306,7 @@ def _resolve(M, N, K, k, dev, config, splits, workers) -> _Launch:
             props = _device.check_device(dev)
             cfg, planned = plan(
                 M, N, K, k, props.sm_count, props.l2_bytes, props.smem_per_sm,
-                props.smem_per_block_optin,
+                props.smem_per_block_optin, arch=props.arch,
             )  # fmt: skip
             _check_smem(cfg, k, props)
             got = _plans[key] = _launch_plan(M, N, K, cfg, planned)
@@ -317,7 +318,10 @@ def _resolve(M, N, K, k, dev, config, splits, workers) -> _Launch:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     props = _device.check_device(dev)
     if config is None:
-        cfg = plan(M, N, K, k, props.sm_count, props.l2_bytes, None, props.smem_per_block_optin)[0]
+        cfg = plan(
+            M, N, K, k, props.sm_count, props.l2_bytes, None, props.smem_per_block_optin,
+            arch=props.arch,
+        )[0]  # fmt: skip
     elif isinstance(config, str):
         cfg = GemmConfig.parse(config)
     elif isinstance(config, GemmConfig):
@@ -325,6 +329,8 @@ def _resolve(M, N, K, k, dev, config, splits, workers) -> _Launch:
     else:
         raise TypeError(f"config must be a GemmConfig or its name, got {type(config).__name__}")
     problems = GemmKernel.problems(k, "f16", cfg)
+    if cfg.wgmma and for_arch(cfg, props.arch) != cfg:
+        problems.append(f"wgmma (suffix g) needs sm_90a; {props.name} is {props.arch}")
     if problems:
         raise ValueError(f"GEMM config {cfg.name}: " + "; ".join(problems))
     _check_smem(cfg, k, props)

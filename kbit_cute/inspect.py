@@ -23,7 +23,7 @@ from multiprocessing import get_context
 
 from tabulate import tabulate
 
-COUNTED = ("LDG.E.128", "LDGSTS", "LDSM", "HMMA", "SHFL", "STG.E.128")
+COUNTED = ("LDG.E.128", "LDGSTS", "LDSM", "HMMA", "HGMMA", "SHFL", "STG.E.128")
 SPILL_OPS = ("LDL", "STL")
 # .nv.info attribute codes (CUDA ELF), each (symbol, value) per function.
 _EIATTR_FRAME_SIZE, _EIATTR_MAX_STACK_SIZE, _EIATTR_REGCOUNT = 0x11, 0x23, 0x2F
@@ -89,7 +89,8 @@ def cubin_resources(data: bytes) -> dict[str, int]:
 def sass_counts(sass: str) -> dict[str, int]:
     ops = re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
     base = [op.split(".")[0] for op in ops]
-    counts = {c: sum(1 for b in base if b == c) for c in ("LDGSTS", "LDSM", "HMMA", "SHFL")}
+    classes = ("LDGSTS", "LDSM", "HMMA", "HGMMA", "SHFL")
+    counts = {c: sum(1 for b in base if b == c) for c in classes}
     wide = [b for b, op in zip(base, ops, strict=True) if ".128" in op]
     counts["LDG.E.128"] = wide.count("LDG")
     counts["STG.E.128"] = wide.count("STG")
@@ -147,7 +148,7 @@ def inspect_variant(name: str) -> dict:
 def run_report(arch: str, jobs: int, only: str | None = None) -> list[dict]:
     from .kernels import all_specs
 
-    names = [s.name for s in all_specs() if only is None or re.search(only, s.name)]
+    names = [s.name for s in all_specs(arch) if only is None or re.search(only, s.name)]
     # The DSL reads the target when cutlass is first imported, which in a worker happens
     # while it unpickles its task: the target must be in the environment it starts with.
     saved = os.environ.get("CUTE_DSL_ARCH")

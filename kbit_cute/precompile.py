@@ -35,17 +35,18 @@ def _dtype_name(d) -> str:
     raise ValueError(f"dtype must be a torch dtype or one of f16, bf16, f32, got {d!r}")
 
 
-def select_specs(k=(2, 3, 4, 5), dtypes=("f16", "bf16"), m=(1, 2, 4, 8), kernels=None):
-    """Registered variants whose name tokens (``k4``, ``m1``, ``f16`` ...) are in the given
-    sets; a name without such a token (e.g. no ``m``) passes that filter. ``kernels``: name
-    prefixes (``gemv``, ``dequantize`` ...), default all."""
+def select_specs(k=(2, 3, 4, 5), dtypes=("f16", "bf16"), m=(1, 2, 4, 8), kernels=None, arch=None):
+    """Registered variants for ``arch`` (default: the compile target) whose name tokens
+    (``k4``, ``m1``, ``f16`` ...) are in the given sets; a name without such a token (e.g. no
+    ``m``) passes that filter. ``kernels``: name prefixes (``gemv``, ``dequantize`` ...),
+    default all."""
     from .kernels import all_specs
 
     ks = {f"k{int(x)}" for x in ([k] if isinstance(k, int) else k)}
     ms = {f"m{int(x)}" for x in ([m] if isinstance(m, int) else m)}
     dts = {_dtype_name(d) for d in ([dtypes] if isinstance(dtypes, (str, torch.dtype)) else dtypes)}
     out = []
-    for spec in all_specs():
+    for spec in all_specs(arch):
         tokens = spec.name.split("_")
         if kernels is not None and tokens[0] not in kernels:
             continue
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import compile as kc
 
     arch = args.arch or kc.target_arch()
-    specs = select_specs(args.k, args.dtypes, args.m, args.kernels)
+    specs = select_specs(args.k, args.dtypes, args.m, args.kernels, arch)
     print(f"kbit_cute.precompile: {len(specs)} variants for {arch} in {kc.cache_dir()}")
     if args.list:
         for s in specs:

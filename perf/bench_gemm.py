@@ -63,6 +63,13 @@ _LARGE_TILES = [
     "m64n256k64s3w1x8",
     "m64n256k64s3w1x8l",
 ]
+# Warpgroup MMA (suffix "g", sm_90a): the weight tile is wgmma's register operand; M tiles
+# of up to 256 rows (wgmma's N). k = 5 takes the compact-table "g" names.
+_WGMMA_64 = ["m64n256k64s4w1x8rg", "m64n256k64s6w1x8rg", "m64n128k64s4w1x4rg", "m64n256k64s4w1x8g"]
+_WGMMA_LARGE = [
+    "m128n256k64s4w1x8rg", "m128n256k64s5w1x8rg", "m128n128k64s4w1x8rg", "m256n128k64s4w1x8rg",
+    "m256n128k64s5w1x8lg", "m128n256k64s4w1x8g", "m256n128k64s4w1x8g",
+]  # fmt: skip
 BUCKETS = [
     (16, [16], ["m16n128k64s4w1x4", "m16n128k128s4w1x4", "m16n256k64s4w1x4",
                 "m16n128k64s4w1x4l", "m16n128k128s4w1x4l", "m16n256k64s4w1x8l",
@@ -72,13 +79,15 @@ BUCKETS = [
     (32, [32], ["m32n128k64s4w1x4", "m32n128k64s4w1x2", "m32n256k64s4w1x4",
                 "m32n128k64s4w1x4l", "m32n128k64s4w1x2l", "m32n256k64s4w1x8l",
                 "m32n128k64s3w1x4l", "m32n128k128s3w1x4l", "m32n128k64s3w1x4r",
-                "m32n128k128s3w1x4r", "m32n256k64s4w1x8r", "m32n128k64s4w1x4r"]),
+                "m32n128k128s3w1x4r", "m32n256k64s4w1x8r", "m32n128k64s4w1x4r",
+                "m32n128k64s4w1x4rg", "m32n128k64s4w1x4g"]),
     (64, [64], ["m64n128k64s3w1x4", "m64n128k64s3w1x4l", "m64n256k64s3w1x8l",
                 "m32n128k64s4w1x4l", "m64n128k64s3w1x4r", "m64n256k64s3w1x8r",
-                "m32n128k64s4w1x4r"]),
-    (128, [128], _LARGE_TILES),
-    (256, [256], _LARGE_TILES),
-    (1 << 31, [1024, 4096], _LARGE_TILES),
+                "m32n128k64s4w1x4r", *_WGMMA_64]),
+    (128, [128], _LARGE_TILES + _WGMMA_LARGE),
+    (256, [256], _LARGE_TILES + _WGMMA_LARGE),
+    (512, [512], _LARGE_TILES + _WGMMA_LARGE),
+    (1 << 31, [1024, 4096], _LARGE_TILES + _WGMMA_LARGE),
 ]  # fmt: skip
 CTAS_PER_SM = [1, 2, 3, 4, 6]
 MAX_SPLITS = 16

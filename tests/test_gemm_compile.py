@@ -89,6 +89,35 @@ def test_b_fragment_layout_is_what_the_dequant_assumes(warps):
             assert (n, kk) == (8 * warp_n + lane // 4, 2 * (lane % 4) + (v & 1) + 8 * (v >> 1))
 
 
+@pytest.mark.parametrize("groups", [1, 2])
+def test_wgmma_a_fragment_layout_is_what_the_dequant_assumes(groups):
+    """wgmma's register A: thread tid's register r (fp16 values 2r, 2r + 1) of m tile mt
+    holds weight column rep0_column(tid) + rep_offset(2 mt + r % 2) and K pair 2t + 8 (r //
+    2) of the k16 step (``WgmmaGemmKernel.set_pair``): check it against the tiled MMA."""
+    from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+    from kbit_cute.kernels.gemm_wgmma import WgmmaGemmKernel
+
+    def make():
+        op = warpgroup.MmaF16BF16Op(
+            cutlass.Float16, cutlass.Float32, (64, 32, 16), warpgroup.OperandSource.RMEM,
+            OperandMajorMode.K, OperandMajorMode.K,
+        )  # fmt: skip
+        return cute.make_tiled_mma(op, cute.make_layout((groups, 1, 1))).tv_layout_A_tiled
+
+    _, offsets = layout_offsets(make)
+    cfg = g.GemmConfig(32, 128, 64, 4, 1, 4 * groups, wgmma=True)
+    kern = WgmmaGemmKernel(4, "f16", cfg)
+    threads, m_tile = 128 * groups, 64 * groups
+    for tid in range(threads):
+        for v in range(8):
+            off = offsets[tid + threads * v]
+            m, kk = off % m_tile, off // m_tile
+            r = v // 2  # the 32-bit register, (row half, K half) = (r % 2, r // 2)
+            col = kern.rep0_column(tid) + kern.rep_offset(r % 2)
+            assert (m, kk) == (col, 2 * (tid % 4) + v % 2 + 8 * (r // 2)), (tid, v)
+
+
 @pytest.mark.parametrize("name", ["m16n128k64s4w1x4", "m128n128k128s3w1x8", "m32n256k128s3w1x8"])
 def test_a_copy_offsets_follow_the_swizzled_layout(name):
     """The A copy adds static offsets to one swizzled offset per thread: passes advance
@@ -120,10 +149,15 @@ def _flat(mode):
 
 
 @pytest.mark.parametrize(
-    "k,dtype,name", [(3, "bf16", "m16n256k128s4w1x8"), (5, "f16", "m128n128k64s3w2x4")]
-)
+    "k,dtype,name",
+    [
+        (3, "bf16", "m16n256k128s4w1x8"), (5, "f16", "m128n128k64s3w2x4"),
+        (2, "bf16", "m64n256k64s4w1x8rg"), (5, "f16", "m128n256k128s4w1x8g"),
+    ],
+)  # fmt: skip
 def test_other_tile_configs_compile(k, dtype, name):
-    """TILE_N = 256, TILE_K = 128 and warps_m = 2 (not all in the dispatch table) compile."""
+    """TILE_N = 256, TILE_K = 128, warps_m = 2 and wgmma tilings (not all in the dispatch
+    table) compile."""
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     fn, args = g.gemm_spec(k, dtype, g.GemmConfig.parse(name)).build()
     assert cute.compile(fn, *args) is not None
@@ -145,6 +179,32 @@ def test_config_names_round_trip_and_bad_configs_are_named():
         g.GemmKernel(4, "f32", g.GemmConfig())
     assert not g.GemmKernel.can_implement(5, "f16", g.GemmConfig(128, 256, 128, 5, 1, 8))
     assert g.GemmKernel.can_implement(5, "f16", g.GemmConfig())
+    wg = g.GemmConfig.parse("m256n128k64s4w1x8rg")
+    assert wg.wgmma and wg.row_table and wg.tile_m == 256 and g.GemmConfig.parse(wg.name) == wg
+    with pytest.raises(ValueError, match="warpgroups"):
+        g.GemmKernel(4, "f16", g.GemmConfig.parse("m128n128k64s4w2x4g"))
+    with pytest.raises(ValueError, match="tile_m"):
+        g.GemmKernel(4, "f16", g.GemmConfig.parse("m256n128k64s4w2x4"))  # mma.sync: <= 128
+
+
+def test_wgmma_configs_take_an_mma_sync_twin_before_sm90():
+    """Every wgmma tiling the tune tries or the table holds has a valid mma.sync twin for
+    targets without wgmma, which fits an A100 (163 KB) once its table is compact."""
+    from perf.bench_gemm import BUCKETS
+
+    names = {n for _, _, ns in BUCKETS for n in ns} | {
+        r[1] for k in KS for r in gemm_table.RULES[k]
+    }
+    wgmma = [g.GemmConfig.parse(n) for n in names if g.GemmConfig.parse(n).wgmma]
+    assert wgmma
+    for cfg in wgmma:
+        assert g.for_arch(cfg, "sm_90a") == cfg
+        twin = g.for_arch(cfg, "sm_80")
+        assert not twin.wgmma and not twin.problems(), (cfg.name, twin.name)
+        for k in KS:
+            if g.GemmKernel.can_implement(k, "f16", cfg):
+                a100 = gd._fitting(twin, k, 163 * 1024)
+                assert g.GemmKernel.can_implement(k, "f16", a100, smem_limit=163 * 1024)
 
 
 # ----------------------------------------------------------------------------- table
@@ -157,8 +217,9 @@ def test_table_rows_are_valid_and_cover_every_m():
         for _m_max, name, ctas_per_sm, max_splits in rows:
             cfg = g.GemmConfig.parse(name)
             assert g.GemmKernel.can_implement(k, "f16", cfg), name
-            # On an A100 (163 KB) the dispatcher falls back to the compact pair table.
-            a100 = gd._fitting(cfg, k, 163 * 1024)
+            # On an A100 (163 KB) the dispatcher takes the mma.sync twin of a wgmma row and
+            # falls back to the compact pair table.
+            a100 = gd._fitting(g.for_arch(cfg, "sm_80"), k, 163 * 1024)
             assert g.GemmKernel.can_implement(k, "f16", a100, smem_limit=163 * 1024), name
             assert ctas_per_sm >= 1 and max_splits >= 1
         for M in (5, 16, 17, 100, 4096, 1 << 20):

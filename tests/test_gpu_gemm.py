@@ -20,6 +20,8 @@ TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 EXTRA_CONFIGS = [
     "m16n256k128s4w1x8", "m64n256k64s3w1x8", "m128n128k128s3w1x8", "m128n128k64s3w2x4",
     "m128n256k64s3w2x4l", "m16n256k128s3w1x8r", "m128n128k64s3w2x4r",
+    # wgmma (sm_90a): M tiles up to 256, one or two warpgroups, every pair-table layout
+    "m32n128k64s4w1x4g", "m64n256k64s4w1x8rg", "m256n128k64s5w1x8lg", "m128n256k128s4w1x8g",
 ]  # fmt: skip
 
 
@@ -113,6 +115,31 @@ def test_lane_table_gives_the_same_bits(k, dtype, weights):
     if k <= 4:
         rows = run(A, qw, config="m16n128k64s4w1x4r", splits=2, deterministic=True)
         assert torch.equal(rows, compact)
+
+
+WGMMA_CONFIGS = ["m64n256k64s4w1x8g", "m256n128k64s4w1x8g", "m128n256k64s4w1x8rg"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", KS)
+def test_wgmma_every_k_and_dtype(k, dtype, weights):
+    """The wgmma kernel (register weights, shared activations) for every k and dtype, M
+    tiles partly filled, with split-K and stream-K runs; and bit-identical to itself."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma needs sm_90a")
+    K, N = 1056, 1000
+    qw = weights(K, N, k)
+    for M in (5, 100, 256):
+        A = torch.randn(M, K, device="cuda", dtype=dtype)
+        ref = reference(A, qw)
+        for name in WGMMA_CONFIGS:
+            if name.endswith("rg") and k > 4:
+                continue
+            for splits, workers in ((1, None), (3, None), (None, 23)):
+                got = run(A, qw, config=name, splits=splits, workers=workers, deterministic=True)
+                assert rel_err(got, ref) < TOL[dtype], (M, name, splits, workers)
+                again = run(A, qw, config=name, splits=splits, workers=workers, deterministic=True)
+                assert torch.equal(got, again), (M, name, splits, workers)
 
 
 @pytest.mark.parametrize("splits", [2, 5, 16])

@@ -38,7 +38,7 @@ runs, one per CTA; a run is the end of one tile's K, whole tiles, and the start 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -923,12 +923,25 @@ def gemm_spec(k: int, dtype: str, config: GemmConfig):
     return KernelSpec(f"gemm_k{k}_{dtype}_{config.name}", build, expect=expect)
 
 
-def table_specs() -> list:
-    """The variants the dispatch table uses, fp16 and bf16 (compiled and gated in CI)."""
+def for_arch(cfg: GemmConfig, arch: str) -> GemmConfig:
+    """``cfg``, or on a target without wgmma (anything but sm_90a) its mma.sync twin: M
+    tiles of at most 128 rows, the 128-row ones over two warps in M, 3 stages."""
+    if not cfg.wgmma or arch.startswith("sm_90"):
+        return cfg
+    two = cfg.tile_m >= 128
+    return replace(
+        cfg, wgmma=False, tile_m=min(cfg.tile_m, 128), stages=3, warps_m=2 if two else 1,
+        warps_n=cfg.warps_n // 2 if two else cfg.warps_n,
+    )  # fmt: skip
+
+
+def table_specs(arch: str) -> list:
+    """The variants the dispatch table uses on ``arch``, fp16 and bf16 (compiled and gated
+    in CI)."""
     from . import gemm_table
 
     out = []
     for k in (2, 3, 4, 5):
-        names = dict.fromkeys(row[1] for row in gemm_table.RULES[k])
-        out += [gemm_spec(k, dt, GemmConfig.parse(n)) for n in names for dt in _DTYPES]
+        cfgs = {for_arch(GemmConfig.parse(row[1]), arch): None for row in gemm_table.RULES[k]}
+        out += [gemm_spec(k, dt, cfg) for cfg in cfgs for dt in _DTYPES]
     return out
