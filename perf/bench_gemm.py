@@ -221,7 +221,9 @@ def _geomean(xs) -> float:
 
 
 def table_from(records: list[dict]) -> tuple[dict, dict]:
-    """(RULES, CUBLAS_FROM_M) from tune records (any subset of k)."""
+    """(RULES, CUBLAS_FROM_M) from tune records (any subset of k and buckets)."""
+    from kbit_cute.kernels import gemm_table
+
     rules, cublas_from = {}, {}
     for k in sorted({r["k"] for r in records}):
         rk = [r for r in records if r["k"] == k]
@@ -249,8 +251,8 @@ def table_from(records: list[dict]) -> tuple[dict, dict]:
             if alts:
                 chosen[m_max] = min(alts, key=sc.get)
         rules[k] = [(m_max, c[0], c[1], MAX_SPLITS) for m_max, c in sorted(chosen.items())]
-        if not any(r["m_max"] == BUCKETS[-1][0] for r in rk):
-            continue  # the largest M not measured: the cuBLAS threshold stays
+        if not any(r["impl"] == "dequant_cublas" for r in rk):
+            continue  # nothing to compare with: the cuBLAS threshold stays
         # dequantize + cuBLAS from the smallest representative M where it wins at every M above.
         Ms = sorted({r["M"] for r in rk})
         wins = {}
@@ -263,11 +265,25 @@ def table_from(records: list[dict]) -> tuple[dict, dict]:
                  for s in shapes]
             )  # fmt: skip
             wins[M] = ratio > 1.0
-        cublas_from[k] = None
-        for M in reversed(Ms):
-            if not wins[M]:
-                break
-            cublas_from[k] = M
+        if any(r["m_max"] == BUCKETS[-1][0] for r in rk):
+            cublas_from[k] = None
+            for M in reversed(Ms):
+                if not wins[M]:
+                    break
+                cublas_from[k] = M
+            continue
+        # The largest M not measured: its verdict is the table's threshold. Where the largest
+        # measured M already goes to cuBLAS, the threshold moves down to where that starts;
+        # where the kernel won at or above the old threshold, it moves past the measured Ms.
+        old, top = gemm_table.CUBLAS_FROM_M.get(k), Ms[-1]
+        if wins[top]:
+            cublas_from[k] = top
+            for M in reversed(Ms):
+                if not wins[M]:
+                    break
+                cublas_from[k] = M
+        elif old is not None and old <= top:
+            cublas_from[k] = next(m for _, reps, _ in BUCKETS for m in reps if m > top)
     return rules, cublas_from
 
 

@@ -374,6 +374,27 @@ def test_tuning_some_buckets_keeps_the_other_rows(tmp_path):
     assert mod.COMMAND.startswith(gemm_table.COMMAND) and mod.COMMAND.endswith("--test")
 
 
+@pytest.mark.parametrize(
+    "old,kernel_us_512,want", [(1024, 12.0, 512), (256, 8.0, 1024), (1024, 8.0, None)]
+)
+def test_cublas_threshold_from_buckets_below_the_largest(monkeypatch, old, kernel_us_512, want):
+    """Tuning buckets up to M = 512: dequantize + cuBLAS winning at 512 moves the threshold
+    down to 512; the kernel winning at and above an old threshold moves it to the next
+    representative M (1024); otherwise the old threshold stays (not in the result)."""
+    from perf import bench_gemm as bg
+
+    monkeypatch.setitem(gemm_table.CUBLAS_FROM_M, 4, old)
+    recs = []
+    for K, N in bg.SHAPES[:2]:
+        for M, kern_us in ((256, 5.0), (512, kernel_us_512)):
+            base = dict(K=K, N=N, k=4, M=M, m_max=M)
+            recs.append(dict(base, impl="dequant_cublas", us=10.0))
+            recs.append(dict(base, impl="kernel", config="m64n128k64s3w1x4", ctas_per_sm=1,
+                             us=kern_us))  # fmt: skip
+    _, cublas_from = bg.table_from(recs)
+    assert cublas_from.get(4) == want
+
+
 def test_weights_over_l2_take_a_tile_that_covers_m():
     """A weight larger than the L2 is read from DRAM once per M tile: the dispatcher takes a
     later table row whose tile covers M where the row for M has a shorter tile."""

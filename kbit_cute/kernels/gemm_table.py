@@ -29,41 +29,47 @@ COMMAND = (
     "64 --k 2 3 4 5 --json /root/out/tune_det.json; python -m perf.bench_gemm "
     "--write-table-from tune_det.json; then python -m perf.bench_gemm --tune --buckets 16 32 "
     "64 128 256 --k 2 3 4 5 --json /root/out/tune.json; python -m perf.bench_gemm "
-    "--write-table-from tune.json"
+    "--write-table-from tune.json; then python -m perf.bench_gemm --tune --buckets 64 128 256 "
+    "512 --k 2 3 4 5 --json /root/out/tune.json; python -m perf.bench_gemm --write-table-from "
+    "tune.json"
 )
 
 RULES = {
     2: [
         (16, "m16n128k128s4w1x4", 4, 16),
         (32, "m32n128k64s4w1x4", 3, 16),
-        (64, "m64n128k64s3w1x4r", 2, 16),
-        (128, "m128n128k64s3w2x4r", 1, 16),
-        (256, "m64n128k64s3w1x4r", 2, 16),
+        (64, "m64n256k64s6w1x8rg", 1, 16),
+        (128, "m128n128k64s4w1x8rg", 2, 16),
+        (256, "m256n128k64s4w1x8g", 1, 16),
+        (512, "m128n128k64s4w1x8rg", 1, 16),
         (2147483648, "m64n128k64s3w1x4", 1, 16),
     ],
     3: [
         (16, "m16n128k128s3w1x4r", 3, 16),
         (32, "m32n128k64s4w1x4r", 3, 16),
-        (64, "m64n128k64s3w1x4r", 2, 16),
-        (128, "m128n128k64s3w2x4r", 1, 16),
-        (256, "m64n128k64s3w1x4r", 2, 16),
+        (64, "m64n128k64s4w1x4rg", 3, 16),
+        (128, "m128n128k64s4w1x8rg", 2, 16),
+        (256, "m256n128k64s5w1x8lg", 1, 16),
+        (512, "m128n128k64s4w1x8rg", 1, 16),
         (2147483648, "m64n128k64s3w1x4l", 1, 16),
     ],
     4: [
         (16, "m16n128k128s3w1x4r", 2, 16),
         (32, "m32n128k128s3w1x4l", 2, 16),
-        (64, "m64n128k64s3w1x4r", 2, 16),
-        (128, "m128n128k64s3w2x4r", 1, 16),
-        (256, "m64n128k64s3w1x4l", 2, 16),
+        (64, "m64n256k64s6w1x8rg", 1, 16),
+        (128, "m128n128k64s4w1x8rg", 1, 16),
+        (256, "m256n128k64s4w1x8rg", 1, 16),
+        (512, "m256n128k64s4w1x8rg", 1, 16),
         (2147483648, "m64n128k64s3w1x4l", 1, 16),
     ],
     5: [
         (16, "m16n256k128s3w1x8l", 1, 16),
         (32, "m32n256k64s4w1x8l", 1, 16),
         (64, "m64n256k64s3w1x8l", 1, 16),
-        (128, "m128n128k64s3w2x4l", 1, 16),
-        (256, "m64n128k64s3w1x4", 2, 16),
+        (128, "m128n256k64s4w1x8g", 1, 16),
+        (256, "m256n128k64s4w1x8g", 1, 16),
+        (512, "m256n128k64s4w1x8g", 2, 16),
         (2147483648, "m64n256k64s3w1x8l", 1, 16),
     ],
 }
-CUBLAS_FROM_M = {2: 1024, 3: 1024, 4: 1024, 5: 256}
+CUBLAS_FROM_M = {2: 1024, 3: 1024, 4: 512, 5: 512}
