@@ -925,14 +925,13 @@ def gemm_spec(k: int, dtype: str, config: GemmConfig):
 
 def for_arch(cfg: GemmConfig, arch: str) -> GemmConfig:
     """``cfg``, or on a target without wgmma (anything but sm_90a) its mma.sync twin: M
-    tiles of at most 128 rows, the 128-row ones over two warps in M, 3 stages."""
+    tiles of at most 128 rows, 3 stages; the 128-row ones m128n128 over 2 x 4 warps (64 x 32
+    warp tiles: m128n256 w2x4 spills on sm_80 at k = 5)."""
     if not cfg.wgmma or arch.startswith("sm_90"):
         return cfg
-    two = cfg.tile_m >= 128
-    return replace(
-        cfg, wgmma=False, tile_m=min(cfg.tile_m, 128), stages=3, warps_m=2 if two else 1,
-        warps_n=cfg.warps_n // 2 if two else cfg.warps_n,
-    )  # fmt: skip
+    if cfg.tile_m >= 128:
+        return replace(cfg, wgmma=False, tile_m=128, tile_n=128, stages=3, warps_m=2, warps_n=4)
+    return replace(cfg, wgmma=False, stages=3)
 
 
 def table_specs(arch: str) -> list:
