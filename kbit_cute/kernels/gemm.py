@@ -488,6 +488,13 @@ class GemmKernel:
         shape = (self.cfg.tile_m, self.cfg.tile_k, self.cfg.stages)
         return cute.tile_to_shape(atom, shape, (0, 1, 2))
 
+    # Which mode of the MMA's C coordinates is the output column (N).
+    C_N_MODE = 1
+
+    def c_mma_layout(self):
+        """The staging tile in the MMA's C coordinates: (TILE_M, TILE_N)."""
+        return self.c_smem_layout()
+
     def c_smem_layout(self):
         """Epilogue staging tile (TILE_M, TILE_N), rows padded by _C_PAD elements: a warp's
         fragment stores (8 rows x 4 threads) hit 32 different banks."""
@@ -861,15 +868,16 @@ class GemmKernel:
         cfg = self.cfg
         m0, n0 = m_cta * cfg.tile_m, n_cta * cfg.tile_n
         sC = cute.make_tensor(cute.recast_ptr(base_u8, dtype=self.dtype), self.c_smem_layout())
-        tCsC = thr_mma.partition_C(sC)
-        tCcC = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
+        c_mma = self.c_mma_layout()
+        tCsC = thr_mma.partition_C(cute.make_tensor(sC.iterator, c_mma))
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor(c_mma.shape))
         scale = cute.make_tensor(pScale, cute.make_layout(1))[0]
         mBias = cute.make_tensor(pBias, cute.make_layout(N))
         tCrD = cute.make_fragment_like(tCrC, self.dtype)
         for v in cutlass.range_constexpr(cute.size(tCrC)):
             r = tCrC[v] * scale
             if has_bias != 0:
-                r = r + Float32(mBias[cutlass.min(n0 + tCcC[v][1], N - 1)])
+                r = r + Float32(mBias[cutlass.min(n0 + tCcC[v][self.C_N_MODE], N - 1)])
             tCrD[v] = self.dtype(r)
         cute.autovec_copy(tCrD, tCsC)
         cute.arch.sync_threads()

@@ -26,7 +26,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
-from .gemm import GemmKernel
+from .gemm import _C_PAD, GemmKernel
 
 _WARPGROUP = 128  # threads
 _M_TILE = 64  # weight columns of one wgmma (its M)
@@ -67,6 +67,14 @@ class WgmmaGemmKernel(GemmKernel):
         # wgmma's register A, per k16 step: (row g, k 2t), (g + 8, 2t), (g, 2t + 8),
         # (g + 8, 2t + 8), one 32-bit pair each.
         frag32[(0, j % 2, half), j // 2, step] = w
+
+    # The accumulators are (weight column, row): the epilogue stages them through the
+    # transposed view of the staging tile.
+    C_N_MODE = 0
+
+    def c_mma_layout(self):
+        cfg = self.cfg
+        return cute.make_layout((cfg.tile_n, cfg.tile_m), stride=(1, cfg.tile_n + _C_PAD))
 
     def b_smem_tensor(self, base_u8):
         """The A ring (``a_smem_layout``'s bytes) as wgmma's B operand: the same 8 x 64
@@ -183,29 +191,3 @@ class WgmmaGemmKernel(GemmKernel):
             thr_mma, tCrC, base_u8, sFlag, pScale, pBias, pOut, pWorkspace, pCounters,
             M, N, has_bias, atomic, m_cta, n_cta, tile, handover,
         )  # fmt: skip
-
-    @cute.jit
-    def store_tile(self, thr_mma, tCrC, base_u8, pScale, pBias, pOut, M, N, has_bias, m_cta, n_cta):
-        """As ``GemmKernel.store_tile``; the accumulators are (weight column, row) of the
-        tile, so they go through the transposed view of the staging tile."""
-        cfg = self.cfg
-        m0, n0 = m_cta * cfg.tile_m, n_cta * cfg.tile_n
-        sC_t = cute.make_tensor(
-            cute.recast_ptr(base_u8, dtype=self.dtype),
-            cute.make_layout((cfg.tile_n, cfg.tile_m), stride=(1, cfg.tile_n + 8)),
-        )
-        assert cute.cosize(sC_t.layout) == cute.cosize(self.c_smem_layout())
-        tCsC = thr_mma.partition_C(sC_t)
-        tCcC = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_n, cfg.tile_m)))
-        scale = cute.make_tensor(pScale, cute.make_layout(1))[0]
-        mBias = cute.make_tensor(pBias, cute.make_layout(N))
-        tCrD = cute.make_fragment_like(tCrC, self.dtype)
-        for v in cutlass.range_constexpr(cute.size(tCrC)):
-            r = tCrC[v] * scale
-            if has_bias != 0:
-                r = r + Float32(mBias[cutlass.min(n0 + tCcC[v][0], N - 1)])
-            tCrD[v] = self.dtype(r)
-        cute.autovec_copy(tCrD, tCsC)
-        cute.arch.sync_threads()
-        sC = cute.make_tensor(cute.recast_ptr(base_u8, dtype=self.dtype), self.c_smem_layout())
-        self.copy_out(sC, pOut, M, N, m0, n0, cfg.tile_n)
