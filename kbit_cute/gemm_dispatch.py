@@ -31,7 +31,7 @@ from .compile import MisalignedError, current_raw_stream, launcher
 from .format import BLOCK, KbitWeight, padded_shape
 from .kernels import gemm_table
 from .kernels.device_helpers import check_run_bounds
-from .kernels.gemm import GemmConfig, GemmKernel, for_arch, gemm_spec
+from .kernels.gemm import GemmConfig, GemmKernel, for_arch, gemm_spec, has_wgmma
 
 _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 MIN_K_ITERS_PER_SPLIT = 2  # a split shorter than this is mostly pipeline fill and drain
@@ -329,7 +329,7 @@ def _resolve(M, N, K, k, dev, config, splits, workers) -> _Launch:
     else:
         raise TypeError(f"config must be a GemmConfig or its name, got {type(config).__name__}")
     problems = GemmKernel.problems(k, "f16", cfg)
-    if cfg.wgmma and for_arch(cfg, props.arch) != cfg:
+    if cfg.wgmma and not has_wgmma(props.arch):
         problems.append(f"wgmma (suffix g) needs sm_90a; {props.name} is {props.arch}")
     if problems:
         raise ValueError(f"GEMM config {cfg.name}: " + "; ".join(problems))

@@ -265,19 +265,13 @@ def table_from(records: list[dict]) -> tuple[dict, dict]:
                  for s in shapes]
             )  # fmt: skip
             wins[M] = ratio > 1.0
-        if any(r["m_max"] == BUCKETS[-1][0] for r in rk):
-            cublas_from[k] = None
-            for M in reversed(Ms):
-                if not wins[M]:
-                    break
-                cublas_from[k] = M
-            continue
-        # The largest M not measured: its verdict is the table's threshold. Where the largest
-        # measured M already goes to cuBLAS, the threshold moves down to where that starts;
-        # where the kernel won at or above the old threshold, it moves past the measured Ms.
+        # Where the largest bucket was not measured, its verdict is the table's threshold:
+        # if the largest measured M goes to cuBLAS, the threshold moves down to where that
+        # starts; if the kernel won at or above the old threshold, it moves past the
+        # measured Ms; else it stays.
         old, top = gemm_table.CUBLAS_FROM_M.get(k), Ms[-1]
-        if wins[top]:
-            cublas_from[k] = top
+        if any(r["m_max"] == BUCKETS[-1][0] for r in rk) or wins[top]:
+            cublas_from[k] = None
             for M in reversed(Ms):
                 if not wins[M]:
                     break

@@ -1,5 +1,6 @@
 """GEMM for M >= 5 (``kbit_cute.gemm`` sends it M > 8) with mma.sync: out[M, N] = A[M, K] @
-W^T, W in the tiled kbit format.
+W^T, W in the tiled kbit format. (``gemm_wgmma.WgmmaGemmKernel``: the same kernel on
+Hopper's warpgroup MMA, config suffix "g".)
 
 Mainloop (after the CUTLASS Ampere multistage GEMM, tensorop_gemm.py) over a stream-K
 schedule: the (TILE_M x TILE_N output tile, TILE_K slice of K) units are split into equal
@@ -348,6 +349,44 @@ class GemmKernel:
             # loads; 2048x10240 M = 16, 4 K slices per CTA: 10% slower.)
             cute.arch.sync_threads()
 
+    def smem_views(self, base_u8):
+        """The regions of ``tile``'s shared memory (``_smem_plan``): the A ring (TILE_M,
+        TILE_K, stages) swizzled, the B words and the absmax bytes (stages x repack tiles),
+        the pair table (bytes) and the split-K flag. The epilogue tile overlays the ring."""
+        plan = self.plan
+        sA = cute.make_tensor(
+            cute.recast_ptr(base_u8 + plan["a"], dtype=self.dtype), self.a_smem_layout()
+        )
+        sW = cute.recast_ptr(base_u8 + plan["w"], dtype=Int32)
+        sS = base_u8 + plan["s"]
+        sFlag = cute.make_tensor(
+            cute.recast_ptr(base_u8 + plan["flag"], dtype=Int32), cute.make_layout(1)
+        )
+        return sA, sW, sS, base_u8 + plan["table"], sFlag
+
+    @cute.jit
+    def ring_sources(self, pA, pPacked, pAbsmax, sA, sW, sS, M, N, K, m_cta, n_cta):
+        """What ``refill`` passes to ``load_stage`` besides the K slice and the stage (the
+        loop-invariant copy plan of this tile)."""
+        mA = cute.make_tensor(pA, cute.make_layout((M, K), stride=(K, 1)))
+        a_off = self.a_copy_offsets(sA, mA, m_cta)
+        n_tiles128 = (N + TILE_N - 1) // TILE_N
+        k_tiles64 = (K + TILE_K - 1) // TILE_K
+        return (pPacked, pAbsmax, sA, sW, sS, mA, a_off), (n_cta, n_tiles128, k_tiles64)
+
+    @cute.jit
+    def refill(self, ring, kt, kt_end, stage):
+        """cp.async of K slice ``kt`` into ring buffer ``stage`` where the run holds it, then
+        one commit group either way (the waits count groups); returns the next buffer."""
+        head, tail = ring
+        if kt < kt_end:
+            self.load_stage(*head, kt, stage, *tail)
+        cute.arch.cp_async_commit_group()
+        stage = stage + 1
+        if stage == self.cfg.stages:
+            stage = 0
+        return stage
+
     def allocate_tile_smem(self, smem: SmemAllocator):
         """The shared memory ``tile`` works in (``plan["total"]`` bytes), as bytes."""
         return cute.recast_ptr(
@@ -362,20 +401,10 @@ class GemmKernel:
         """Output tile ``tile`` = (m_cta, n_cta) over K slices [kt_begin, kt_end) (units of
         tile_k), in the shared memory at ``base_u8`` (``plan["total"]`` bytes; the pair
         table built): the mainloop, then the epilogue with the split-K ``handover``."""
-        cfg, k, plan = self.cfg, self.k, self.plan
+        cfg, k = self.cfg, self.k
         tidx, _, _ = cute.arch.thread_idx()
         n_iter = kt_end - kt_begin
-
-        # ---- shared memory: [pipeline stages | epilogue tile] union, pair table, flag
-        sA = cute.make_tensor(
-            cute.recast_ptr(base_u8 + plan["a"], dtype=self.dtype), self.a_smem_layout()
-        )  # (TILE_M, TILE_K, stages), swizzled
-        sW = cute.recast_ptr(base_u8 + plan["w"], dtype=Int32)  # stages x repack tiles
-        sS = base_u8 + plan["s"]  # stages x absmax bytes of the repack tiles
-        sTable_u8 = base_u8 + plan["table"]
-        sFlag = cute.make_tensor(
-            cute.recast_ptr(base_u8 + plan["flag"], dtype=Int32), cute.make_layout(1)
-        )
+        sA, sW, sS, sTable_u8, sFlag = self.smem_views(base_u8)
 
         # ---- MMA partitions: warps tile (M, N) as (warps_m, warps_n)
         tiled_mma = self.make_tiled_mma()
@@ -394,21 +423,13 @@ class GemmKernel:
         tCrC.fill(0.0)
 
         # ---- per-thread copy and fragment offsets (loop invariant)
-        mA = cute.make_tensor(pA, cute.make_layout((M, K), stride=(K, 1)))
-        a_off = self.a_copy_offsets(sA, mA, m_cta)
-        n_tiles128 = (N + TILE_N - 1) // TILE_N
-        k_tiles64 = (K + TILE_K - 1) // TILE_K
+        ring = self.ring_sources(pA, pPacked, pAbsmax, sA, sW, sS, M, N, K, m_cta, n_cta)
         t4 = tidx % 4
         col0 = self.rep0_column(tidx)
 
         # ---- prologue: fill stages - 1 buffers, then the first fragments
         for s in cutlass.range_constexpr(cfg.stages - 1):
-            if s < n_iter:
-                self.load_stage(
-                    pPacked, pAbsmax, sA, sW, sS, mA, a_off, kt_begin + s, s, n_cta,
-                    n_tiles128, k_tiles64,
-                )  # fmt: skip
-            cute.arch.cp_async_commit_group()
+            self.refill(ring, kt_begin + s, kt_end, s)
         cute.arch.cp_async_wait_group(cfg.stages - 2)
         cute.arch.sync_threads()
 
@@ -445,16 +466,9 @@ class GemmKernel:
                         self.load_b_rk(sW, sS, rP, rS, read_stage, blk // 2, col0)
                     self.dequant_block(sTable_u8, rP, rS, tCrB32, blk, t4)
                 if s == 0:
-                    kt_next = kt_begin + it + cfg.stages - 1
-                    if kt_next < kt_end:
-                        self.load_stage(
-                            pPacked, pAbsmax, sA, sW, sS, mA, a_off, kt_next, write_stage,
-                            n_cta, n_tiles128, k_tiles64,
-                        )  # fmt: skip
-                    cute.arch.cp_async_commit_group()
-                    write_stage = write_stage + 1
-                    if write_stage == cfg.stages:
-                        write_stage = 0
+                    write_stage = self.refill(
+                        ring, kt_begin + it + cfg.stages - 1, kt_end, write_stage
+                    )
                 cute.gemm(tiled_mma, tCrC, tCrA[None, None, s], tCrB[None, None, s], tCrC)
 
         cute.arch.cp_async_wait_group(0)
@@ -931,11 +945,16 @@ def gemm_spec(k: int, dtype: str, config: GemmConfig):
     return KernelSpec(f"gemm_k{k}_{dtype}_{config.name}", build, expect=expect)
 
 
+def has_wgmma(arch: str) -> bool:
+    """Whether the target (``device.arch_name``) has the warpgroup MMA: sm_90a only."""
+    return arch.startswith("sm_90")
+
+
 def for_arch(cfg: GemmConfig, arch: str) -> GemmConfig:
-    """``cfg``, or on a target without wgmma (anything but sm_90a) its mma.sync twin: M
-    tiles of at most 128 rows, 3 stages; the 128-row ones m128n128 over 2 x 4 warps (64 x 32
-    warp tiles: m128n256 w2x4 spills on sm_80 at k = 5)."""
-    if not cfg.wgmma or arch.startswith("sm_90"):
+    """``cfg``, or on a target without wgmma its mma.sync twin: M tiles of at most 128
+    rows, 3 stages; the 128-row ones m128n128 over 2 x 4 warps (64 x 32 warp tiles:
+    m128n256 w2x4 spills on sm_80 at k = 5)."""
+    if not cfg.wgmma or has_wgmma(arch):
         return cfg
     if cfg.tile_m >= 128:
         return replace(cfg, wgmma=False, tile_m=128, tile_n=128, stages=3, warps_m=2, warps_n=4)

@@ -13,10 +13,11 @@ g + 8 of its warp's 16 rows, i.e. two of ``dequant_block``'s B columns, so the d
 is unchanged; but one wgmma replaces the warp's (M tile / 8) HMMA and its ldmatrix loads
 of A, and it runs asynchronously while the next block is dequantized.
 
-Pipelining: each k16 step's wgmma is its own commit group and the thread waits for all
-but the newest after issuing it (``wait_group(1)``), so registers are rewritten only
-after the wgmma that read them finished. A stage of the ring is refilled two k-slices
-after it was read (``stages - 2`` slices in flight), when its last wgmma is complete.
+Pipelining: a 32-weight block's two k16 wgmmas are one commit group; the thread waits for
+all but the newest group after issuing it (``wait_group(1)``) and then dequantizes the next
+block, so registers are rewritten only after the wgmmas that read them finished. A stage
+of the ring is refilled two K slices after it was read (``stages - 2`` slices in flight),
+when its last wgmma is complete.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class WgmmaGemmKernel(GemmKernel):
         self.nj = 2 * self.m_tiles  # columns g and g + 8 of each m tile
 
     def min_ctas_per_sm(self) -> int:
+        """The compiler's choice: the m64+ register bound of the mma.sync warp tiles (168)
+        would spill the wgmma accumulators (128 per thread at m256n128)."""
         return 0
 
     def make_tiled_mma(self):
@@ -90,19 +93,10 @@ class WgmmaGemmKernel(GemmKernel):
         self, base_u8, pA, pPacked, pAbsmax, pScale, pBias, pOut, pWorkspace, pCounters,
         M, N, K, has_bias, atomic, m_cta, n_cta, tile, kt_begin, kt_end, handover,
     ):  # fmt: skip
-        cfg, k, plan = self.cfg, self.k, self.plan
+        cfg, k = self.cfg, self.k
         tidx, _, _ = cute.arch.thread_idx()
         n_iter = kt_end - kt_begin
-
-        sA = cute.make_tensor(
-            cute.recast_ptr(base_u8 + plan["a"], dtype=self.dtype), self.a_smem_layout()
-        )  # (TILE_M, TILE_K, stages): the cp.async side
-        sW = cute.recast_ptr(base_u8 + plan["w"], dtype=Int32)
-        sS = base_u8 + plan["s"]
-        sTable_u8 = base_u8 + plan["table"]
-        sFlag = cute.make_tensor(
-            cute.recast_ptr(base_u8 + plan["flag"], dtype=Int32), cute.make_layout(1)
-        )
+        sA, sW, sS, sTable_u8, sFlag = self.smem_views(base_u8)  # sA: the cp.async side
 
         tiled_mma = self.make_tiled_mma()
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)  # onto the zeroed accumulators
@@ -115,10 +109,7 @@ class WgmmaGemmKernel(GemmKernel):
         tCrC = tiled_mma.make_fragment_C(thr_mma.partition_C(stand_in))
         tCrC.fill(0.0)
 
-        mA = cute.make_tensor(pA, cute.make_layout((M, K), stride=(K, 1)))
-        a_off = self.a_copy_offsets(sA, mA, m_cta)
-        n_tiles128 = (N + 127) // 128
-        k_tiles64 = (K + 63) // 64
+        ring = self.ring_sources(pA, pPacked, pAbsmax, sA, sW, sS, M, N, K, m_cta, n_cta)
         t4 = tidx % 4
         col0 = self.rep0_column(tidx)
 
@@ -126,12 +117,7 @@ class WgmmaGemmKernel(GemmKernel):
         # it was read, when its wgmmas are known complete)
         ahead = cfg.stages - 2
         for s in cutlass.range_constexpr(ahead):
-            if s < n_iter:
-                self.load_stage(
-                    pPacked, pAbsmax, sA, sW, sS, mA, a_off, kt_begin + s, s, n_cta,
-                    n_tiles128, k_tiles64,
-                )  # fmt: skip
-            cute.arch.cp_async_commit_group()
+            self.refill(ring, kt_begin + s, kt_end, s)
         cute.arch.cp_async_wait_group(ahead - 1)
         cute.arch.sync_threads()
 
@@ -157,16 +143,7 @@ class WgmmaGemmKernel(GemmKernel):
                 warpgroup.commit_group()
                 warpgroup.wait_group(1)
                 if blk == 0:
-                    kt_next = kt_begin + it + ahead
-                    if kt_next < kt_end:
-                        self.load_stage(
-                            pPacked, pAbsmax, sA, sW, sS, mA, a_off, kt_next, write_stage,
-                            n_cta, n_tiles128, k_tiles64,
-                        )  # fmt: skip
-                    cute.arch.cp_async_commit_group()
-                    write_stage = write_stage + 1
-                    if write_stage == cfg.stages:
-                        write_stage = 0
+                    write_stage = self.refill(ring, kt_begin + it + ahead, kt_end, write_stage)
                 # The next block's registers, while this block's wgmmas run.
                 if blk == nb - 1:
                     # After the barrier every warpgroup's earlier groups are complete (the
