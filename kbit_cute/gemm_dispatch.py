@@ -4,7 +4,7 @@ worker choice, split-K buffers, launch.
 ``gemm_mma(A2d, qw, bias, out)`` runs ``kernels/gemm.py`` on CUDA tensors. The tiling and
 the worker count come from the measured table ``kernels/gemm_table.py`` (rows by k and M,
 ``plan_workers``), unless the caller passes ``config`` / ``splits`` / ``workers``.
-``prefer_cublas(M, k)`` says where the table found dequantize + cuBLAS faster;
+``prefer_cublas(M, k, over_l2)`` says where the table found dequantize + cuBLAS faster;
 ``kbit_cute.gemm`` uses it to pick the path.
 
 Split-K buffers live per (device, stream): an fp32 partials buffer (deterministic mode: the
@@ -21,6 +21,7 @@ touches none of them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -44,15 +45,20 @@ _MAX_ELEMS = 1 << 31  # the kernel indexes A, out and the workspace with int32
 def table_rule(k: int, M: int, weight_over_l2: bool = False) -> tuple[str, int, int]:
     """(config name, target CTAs per SM, max splits) of the table row for bits k and M rows.
 
-    ``weight_over_l2``: the weight is larger than the L2. Every M tile streams the whole
-    weight, which then comes from DRAM each time, so where the row's tile is shorter than M
-    a later row whose tile covers M is taken (the table's rows are measured on mostly
-    L2-sized weights: k = 2, M = 64 on 8192x28672 took 140 us with the M <= 64 row's
-    m32 tile, 111 us with the M <= 128 row's m64 tile; ``bench_gemm --tune``). The worker
-    density stays M's row's: its tune timed this substitution on the weights over the L2."""
+    ``weight_over_l2``: the weight is larger than the L2, so every M tile streams it from
+    DRAM again. Such weights have rows of their own (``RULES_OVER_L2``, tuned on weights
+    over the L2; k = 4, M = 128 on 8192x28672: 140 us with their m128n256 tile against 184
+    with the general row's m128n128). Where those rows stop short of M, a later general
+    row whose tile covers M is taken (k = 2, M = 64 on 8192x28672 took 140 us with the
+    M <= 64 row's m32 tile, 111 us with the M <= 128 row's m64 tile). The worker density
+    stays M's row's."""
     rows = gemm_table.RULES.get(k)
     if not rows:
         raise ValueError(f"the GEMM table has no rows for k={k}")
+    if weight_over_l2:
+        own = next((r for r in gemm_table.RULES_OVER_L2.get(k, ()) if M <= r[0]), None)
+        if own is not None:
+            return own[1], own[2], own[3]
     first = next((i for i, row in enumerate(rows) if M <= row[0]), len(rows) - 1)
     _, name, ctas_per_sm, max_splits = rows[first]
     if weight_over_l2:
@@ -135,15 +141,27 @@ def weight_over_l2(N: int, K: int, k: int, l2_bytes: int | None) -> bool:
     return l2_bytes is not None and weight_bytes(N, K, k) > l2_bytes
 
 
-def prefer_cublas(M: int, k: int) -> bool:
-    """True where the table measured dequantize + cuBLAS faster than the kernel."""
-    m0 = gemm_table.CUBLAS_FROM_M.get(k)
+def prefer_cublas(M: int, k: int, weight_over_l2: bool = False) -> bool:
+    """True where the table measured dequantize + cuBLAS faster than the kernel (for
+    weights over the L2 their own threshold, where one was measured)."""
+    thresholds = gemm_table.CUBLAS_FROM_M
+    if weight_over_l2 and k in gemm_table.CUBLAS_FROM_M_OVER_L2:
+        thresholds = gemm_table.CUBLAS_FROM_M_OVER_L2
+    m0 = thresholds.get(k)
     return m0 is not None and M >= m0
 
 
+@functools.lru_cache(maxsize=4096)
+def weight_over_l2_on(N: int, K: int, k: int, dev: int) -> bool:
+    """``weight_over_l2`` on CUDA device ``dev`` (cached: ``kbit_cute.gemm`` asks per call)."""
+    return weight_over_l2(N, K, k, _device.check_device(dev).l2_bytes)
+
+
 def table_configs(k: int) -> list[GemmConfig]:
-    """The configs the table uses for bits k (what CI compiles and the tests cover)."""
-    return [GemmConfig.parse(n) for n in dict.fromkeys(row[1] for row in gemm_table.RULES[k])]
+    """The configs the table uses for bits k, general and over-L2 rows (what CI compiles
+    and the tests cover)."""
+    rows = [*gemm_table.RULES[k], *gemm_table.RULES_OVER_L2.get(k, ())]
+    return [GemmConfig.parse(n) for n in dict.fromkeys(row[1] for row in rows)]
 
 
 # ----------------------------------------------------------------------------- buffers

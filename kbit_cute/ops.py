@@ -640,11 +640,13 @@ def _gemv(A, qw: KbitWeight, bias, out, M: int, workers: int | None = None):
 
 def _gemm_large_m(A, packed, absmax, codebook, scale, k, N, K, bias, out):
     """M > GEMV_MAX_M: the mma.sync GEMM (deterministic split-K), or from the measured crossover
-    (``gemm_table.CUBLAS_FROM_M``) dequantize to A's dtype and call cuBLAS."""
+    (``gemm_table.CUBLAS_FROM_M``, for weights over the L2 ``CUBLAS_FROM_M_OVER_L2``)
+    dequantize to A's dtype and call cuBLAS."""
     from . import gemm_dispatch
 
     M = A.numel() // K
-    if gemm_dispatch.prefer_cublas(M, k):
+    over_l2 = gemm_dispatch.weight_over_l2_on(N, K, k, A.get_device())
+    if gemm_dispatch.prefer_cublas(M, k, over_l2):
         W = _dequantize_impl(packed, absmax, codebook, scale, k, N, K, A.dtype)
         return out.copy_(torch.nn.functional.linear(A, W, bias))
     gemm_dispatch.launch(

@@ -29,6 +29,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -175,17 +176,20 @@ def tune(ks, shapes, sm_count: int, log, table_only: bool = False, buckets=None)
             for m_max, Ms, names in BUCKETS:
                 if buckets is not None and m_max not in buckets:
                     continue
+                over_l2 = gd.weight_over_l2(N, K, k, props.l2_bytes)
                 for M in Ms:
                     t_dq = b.dequant_cublas(M, k)
-                    base = dict(K=K, N=N, k=k, M=M, m_max=m_max)
+                    base = dict(K=K, N=N, k=k, M=M, m_max=m_max, over_l2=over_l2)
                     records.append(dict(base, impl="dequant_cublas", us=t_dq))
                     timed: dict[tuple[str, int], float] = {}  # densities giving one grid
                     # (candidate, tiling timed): the table's row runs what the dispatcher
                     # runs (a weight over the L2 may take a larger tile: ``gd.table_rule``).
                     cands = [(name, name) for name in names]
                     if table_only:
-                        over_l2 = gd.weight_over_l2(N, K, k, props.l2_bytes)
-                        row = next(r[1] for r in gemm_table.RULES[k] if r[0] >= m_max)
+                        own = gemm_table.RULES_OVER_L2.get(k, ()) if over_l2 else ()
+                        row = next((r[1] for r in own if r[0] >= m_max), None) or next(
+                            r[1] for r in gemm_table.RULES[k] if r[0] >= m_max
+                        )
                         cands = [(row, gd.table_rule(k, M, over_l2)[0])]
                     for name, ran in cands:
                         cfg = GemmConfig.parse(ran)
@@ -220,8 +224,34 @@ def _geomean(xs) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
-def table_from(records: list[dict]) -> tuple[dict, dict]:
-    """(RULES, CUBLAS_FROM_M) from tune records (any subset of k and buckets)."""
+class TableUpdate(NamedTuple):
+    """What a tune measured, per k: rows and cuBLAS thresholds of the general table (weights
+    that fit the L2) and of the weights over the L2. A class or bucket without records is
+    left out (``write_table`` keeps what the table had)."""
+
+    rules: dict
+    cublas_from: dict
+    rules_over_l2: dict
+    cublas_from_over_l2: dict
+
+
+def table_from(records: list[dict]) -> TableUpdate:
+    """The table's rows and cuBLAS thresholds from tune records (any subset of k, buckets
+    and shapes). Records of weights over the L2 (``over_l2``, set by ``tune``) make that
+    class's rows; the others the general rows."""
+    from kbit_cute.kernels import gemm_table
+
+    general = [r for r in records if not r.get("over_l2", False)]
+    over = [r for r in records if r.get("over_l2", False)]
+    rules, cublas_from = _class_table(general, gemm_table.CUBLAS_FROM_M)
+    old_over = {**gemm_table.CUBLAS_FROM_M, **gemm_table.CUBLAS_FROM_M_OVER_L2}
+    rules_over, cublas_over = _class_table(over, old_over)
+    return TableUpdate(rules, cublas_from, rules_over, cublas_over)
+
+
+def _class_table(records: list[dict], old_cublas_from: dict) -> tuple[dict, dict]:
+    """(rules, cuBLAS thresholds) per k from one class's records: per bucket the candidate
+    (tiling, CTAs per SM) with the smallest geometric mean of time / the point's best."""
     from kbit_cute.kernels import gemm_table
 
     rules, cublas_from = {}, {}
@@ -243,8 +273,10 @@ def table_from(records: list[dict]) -> tuple[dict, dict]:
             sc = {c: _geomean(v) for c, v in cands.items() if len(v) == len(points)}
             scores[m_max] = sc
             chosen[m_max] = min(sc, key=sc.get)
-        # Fewer distinct tilings (CI compiles each): reuse one another bucket chose if close.
-        used = {c[0] for c in chosen.values()}
+        # Fewer distinct tilings (CI compiles each): reuse one another bucket or the table
+        # already has if close.
+        tabled = [*gemm_table.RULES.get(k, ()), *gemm_table.RULES_OVER_L2.get(k, ())]
+        used = {c[0] for c in chosen.values()} | {r[1] for r in tabled}
         for m_max, sc in scores.items():
             best_score = sc[chosen[m_max]]
             alts = [c for c in sc if c[0] in used and sc[c] <= best_score * REUSE_SLACK]
@@ -269,7 +301,7 @@ def table_from(records: list[dict]) -> tuple[dict, dict]:
         # if the largest measured M goes to cuBLAS, the threshold moves down to where that
         # starts; if the kernel won at or above the old threshold, it moves past the
         # measured Ms; else it stays.
-        old, top = gemm_table.CUBLAS_FROM_M.get(k), Ms[-1]
+        old, top = old_cublas_from.get(k), Ms[-1]
         if any(r["m_max"] == BUCKETS[-1][0] for r in rk) or wins[top]:
             cublas_from[k] = None
             for M in reversed(Ms):
@@ -288,23 +320,18 @@ def _wrapped(text: str, width: int) -> list[str]:
     return [p + " " for p in pieces[:-1]] + pieces[-1:]
 
 
-def write_table(rules: dict, cublas_from: dict, gpu: str, command: str, path: Path = TABLE_PATH):
+def write_table(update: TableUpdate, gpu: str, command: str, path: Path = TABLE_PATH):
     """Overwrite gemm_table.py with measured rules: rows of the buckets measured replace
-    theirs, the other rows (and k) stay."""
+    theirs, the other rows (and k) stay; likewise the over-L2 rows."""
     from kbit_cute.kernels import gemm_table
 
-    all_rules = dict(gemm_table.RULES)
-    rows_kept = False
-    for k, rows in rules.items():
-        kept = {row[0]: row for row in all_rules.get(k, [])}
-        rows_kept |= bool(set(kept) - {row[0] for row in rows})
-        kept.update({row[0]: row for row in rows})
-        all_rules[k] = [kept[m] for m in sorted(kept)]
-    if rows_kept:  # the kept rows were measured by the commands before
+    all_rules, kept = _merged(gemm_table.RULES, update.rules)
+    all_over, kept_over = _merged(gemm_table.RULES_OVER_L2, update.rules_over_l2)
+    if kept or kept_over:  # the kept rows were measured by the commands before
         command = f"{gemm_table.COMMAND}; then {command}"
-    all_cublas = dict(gemm_table.CUBLAS_FROM_M)
-    all_cublas.update(cublas_from)
-    partial = sorted(set(gemm_table.RULES) - set(rules))
+    all_cublas = {**gemm_table.CUBLAS_FROM_M, **update.cublas_from}
+    all_cublas_over = {**gemm_table.CUBLAS_FROM_M_OVER_L2, **update.cublas_from_over_l2}
+    partial = sorted(set(gemm_table.RULES) - set(update.rules))
     lines = [
         '"""Dispatch table of the mma.sync GEMM (``kbit_cute.gemm_dispatch``).',
         "",
@@ -315,6 +342,8 @@ def write_table(rules: dict, cublas_from: dict, gpu: str, command: str, path: Pa
         "RULES[k]: rows (m_max, config name, CTAs per SM, max splits: ``plan_workers``); the",
         "first row with M <= m_max applies. CUBLAS_FROM_M[k]: smallest M from which dequantize",
         "+ cuBLAS was measured faster than the kernel (None: the kernel always won).",
+        "RULES_OVER_L2 / CUBLAS_FROM_M_OVER_L2: the same for weights larger than the L2, tuned",
+        "on such weights only (``--shapes``); where they have no row for M, RULES applies.",
         '"""',
         "",
         f"PROVISIONAL = {bool(partial)}" + (f"  # k = {partial} not measured" if partial else ""),
@@ -323,14 +352,36 @@ def write_table(rules: dict, cublas_from: dict, gpu: str, command: str, path: Pa
         *[f"    {json.dumps(piece)}" for piece in _wrapped(command, 88)],
         ")",
         "",
-        "RULES = {",
+        *_rules_lines("RULES", all_rules),
+        f"CUBLAS_FROM_M = {dict(sorted(all_cublas.items()))!r}",
+        *_rules_lines("RULES_OVER_L2", all_over),
+        f"CUBLAS_FROM_M_OVER_L2 = {dict(sorted(all_cublas_over.items()))!r}",
+        "",
     ]
-    for k in sorted(all_rules):
-        lines.append(f"    {k}: [")
-        lines += [f"        ({m}, {json.dumps(n)}, {c}, {s})," for m, n, c, s in all_rules[k]]
-        lines.append("    ],")
-    lines += ["}", f"CUBLAS_FROM_M = {dict(sorted(all_cublas.items()))!r}", ""]
     path.write_text("\n".join(lines))
+
+
+def _merged(old: dict, new: dict) -> tuple[dict, bool]:
+    """``old`` rules with the buckets of ``new`` replaced, and whether any row of ``old``
+    was kept (then the commands that measured it stay in the table's history)."""
+    merged = dict(old)
+    for k, rows in new.items():
+        by_bucket = {row[0]: row for row in merged.get(k, [])}
+        by_bucket.update({row[0]: row for row in rows})
+        merged[k] = [by_bucket[m] for m in sorted(by_bucket)]
+    fresh = {(k, row) for k, rows in new.items() for row in rows}
+    return merged, any((k, row) not in fresh for k, rows in merged.items() for row in rows)
+
+
+def _rules_lines(name: str, rules: dict) -> list[str]:
+    if not rules:
+        return [f"{name} = {{}}"]
+    lines = [f"{name} = {{"]
+    for k in sorted(rules):
+        lines.append(f"    {k}: [")
+        lines += [f"        ({m}, {json.dumps(n)}, {c}, {s})," for m, n, c, s in rules[k]]
+        lines.append("    ],")
+    return [*lines, "}"]
 
 
 # ----------------------------------------------------------------------------- report
@@ -350,7 +401,8 @@ def report(ks, shapes, Ms, bw: float, tflops: float, sm_count: int, log, atomic_
                 if atomic_too and gd.hands_over(M, N, cfg, workers):
                     t_atomic = b.kernel(M, k)
                 t_dq = b.dequant_cublas(M, k)
-                path = "dequant+cuBLAS" if gd.prefer_cublas(M, k) else "kernel"
+                over_l2 = gd.weight_over_l2_on(N, K, k, torch.cuda.current_device())
+                path = "dequant+cuBLAS" if gd.prefer_cublas(M, k, over_l2) else "kernel"
                 t_path = t_dq if path != "kernel" else t
                 wb = b.weight_bytes(k)
                 rec = dict(K=K, N=N, k=k, M=M, config=cfg.name, workers=workers, kernel_us=t,
@@ -407,9 +459,10 @@ def main(argv=None) -> None:
             gpus.add(data["gpu"])
             tunes.append(data["command"])
         command = "; ".join([*tunes, command])
-        rules, cublas_from = table_from(recs)
-        write_table(rules, cublas_from, " / ".join(sorted(gpus)), command)
-        print(f"wrote {TABLE_PATH} for k = {sorted(rules)}")
+        update = table_from(recs)
+        write_table(update, " / ".join(sorted(gpus)), command)
+        print(f"wrote {TABLE_PATH}: k = {sorted(update.rules)}, "
+              f"over the L2 k = {sorted(update.rules_over_l2)}")  # fmt: skip
         return
 
     if not torch.cuda.is_available():
@@ -429,9 +482,8 @@ def main(argv=None) -> None:
                                         records=records), indent=1))  # fmt: skip
         print(f"{len(records)} measurements in {time.time() - t0:.0f} s -> {path}")
         if args.write_table:
-            rules, cublas_from = table_from(records)
-            write_table(rules, cublas_from, gpu, command)
-            print(f"wrote {TABLE_PATH} for k = {sorted(rules)}")
+            write_table(table_from(records), gpu, command)
+            print(f"wrote {TABLE_PATH}")
         return
 
     bw, tf = read_bandwidth_gbs(), tensor_tflops(torch.float16)

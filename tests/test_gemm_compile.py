@@ -335,11 +335,12 @@ def test_benchmark_writes_a_loadable_table(tmp_path):
                         us = 100.0 + 10 * i + (0 if ctas == 2 else 1)
                         recs.append(dict(base, impl="kernel", config=name, ctas_per_sm=ctas,
                                          splits=1, us=us))  # fmt: skip
-    rules, cublas_from = bg.table_from(recs)
-    assert cublas_from == {3: 1024}
+    update = bg.table_from(recs)
+    rules, cublas_from = update.rules, update.cublas_from
+    assert cublas_from == {3: 1024} and update.rules_over_l2 == {}
     assert [r[1:3] for r in rules[3]] == [(names[0], 2) for _, _, names in bg.BUCKETS]
     path = tmp_path / "table.py"
-    bg.write_table(rules, cublas_from, "Test GPU", "python -m perf.bench_gemm --test", path)
+    bg.write_table(update, "Test GPU", "python -m perf.bench_gemm --test", path)
     spec = importlib.util.spec_from_file_location("t", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -361,17 +362,68 @@ def test_tuning_some_buckets_keeps_the_other_rows(tmp_path):
             base = dict(K=K, N=N, k=4, M=16, m_max=16)
             recs.append(dict(base, impl="kernel", config="m16n128k64s4w1x4", ctas_per_sm=ctas,
                              us=10.0 + abs(ctas - 3)))  # fmt: skip
-    rules, cublas_from = bg.table_from(recs)
-    assert rules[4] == [(16, "m16n128k64s4w1x4", 3, bg.MAX_SPLITS)] and cublas_from == {}
+    update = bg.table_from(recs)
+    assert update.rules[4] == [(16, "m16n128k64s4w1x4", 3, bg.MAX_SPLITS)]
+    assert update.cublas_from == {}
     path = tmp_path / "table.py"
-    bg.write_table(rules, cublas_from, "Test GPU", "python -m perf.bench_gemm --test", path)
+    bg.write_table(update, "Test GPU", "python -m perf.bench_gemm --test", path)
     spec = importlib.util.spec_from_file_location("t", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.RULES[4][0] == (16, "m16n128k64s4w1x4", 3, bg.MAX_SPLITS)
     assert mod.RULES[4][1:] == gemm_table.RULES[4][1:]
     assert mod.CUBLAS_FROM_M == gemm_table.CUBLAS_FROM_M
+    assert mod.RULES_OVER_L2 == gemm_table.RULES_OVER_L2
+    assert mod.CUBLAS_FROM_M_OVER_L2 == gemm_table.CUBLAS_FROM_M_OVER_L2
     assert mod.COMMAND.startswith(gemm_table.COMMAND) and mod.COMMAND.endswith("--test")
+
+
+def test_weights_over_l2_get_rows_of_their_own(tmp_path, monkeypatch):
+    """Records of weights over the L2 (``over_l2``) make RULES_OVER_L2 and its own cuBLAS
+    threshold, the other records the general rows; both land in the written table, which
+    the dispatcher then reads: over-L2 rows where they cover M, else the general rows."""
+    import importlib.util
+
+    from perf import bench_gemm as bg
+
+    monkeypatch.setattr(gemm_table, "RULES_OVER_L2", {})
+    monkeypatch.setattr(gemm_table, "CUBLAS_FROM_M_OVER_L2", {})
+    recs = []
+    general, big = "m128n128k64s4w1x8rg", "m128n256k64s4w1x8rg"
+    for (K, N), over in (((4096, 14336), False), ((14336, 4096), False), ((8192, 28672), True)):
+        for M, kern_us in ((128, 10.0), (512, 30.0)):
+            base = dict(K=K, N=N, k=4, M=M, m_max=M, over_l2=over)
+            recs.append(dict(base, impl="dequant_cublas", us=20.0))  # cuBLAS wins at 512
+            for name in (general, big):
+                fast = (name == big) == over
+                recs.append(dict(base, impl="kernel", config=name, ctas_per_sm=1,
+                                 us=kern_us * (1.0 if fast else 1.5)))  # fmt: skip
+    update = bg.table_from(recs)
+    assert update.rules[4] == [(128, general, 1, 16), (512, general, 1, 16)]
+    assert update.rules_over_l2[4] == [(128, big, 1, 16), (512, big, 1, 16)]
+    assert update.cublas_from == {4: 512} and update.cublas_from_over_l2 == {4: 512}
+    path = tmp_path / "table.py"
+    bg.write_table(update, "Test GPU", "python -m perf.bench_gemm --test", path)
+    spec = importlib.util.spec_from_file_location("t", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.RULES_OVER_L2 == {4: update.rules_over_l2[4]}
+    assert mod.CUBLAS_FROM_M_OVER_L2 == {4: 512}
+    assert (128, general, 1, 16) in mod.RULES[4]
+
+    monkeypatch.setattr(gemm_table, "RULES_OVER_L2", mod.RULES_OVER_L2)
+    monkeypatch.setattr(gemm_table, "CUBLAS_FROM_M_OVER_L2", {4: None})
+    l2 = 50 << 20
+    assert gd.table_rule(4, 100, weight_over_l2=True)[0] == big
+    assert gd.plan(100, 28672, 8192, 4, 132, l2)[0] == g.GemmConfig.parse(big)
+    assert gd.plan(100, 14336, 4096, 4, 132, l2)[0] == g.GemmConfig.parse(gd.table_rule(4, 100)[0])
+    # past the over-L2 rows' last bucket the general rows apply
+    assert gd.table_rule(4, 4096, weight_over_l2=True) == gd.table_rule(4, 4096, False)
+    # the over-L2 threshold (None: the kernel always won) overrides the general one
+    assert gd.prefer_cublas(1 << 20, 4, weight_over_l2=True) is False
+    assert gd.prefer_cublas(1 << 20, 4) is (gemm_table.CUBLAS_FROM_M[4] is not None)
+    assert gd.prefer_cublas(1 << 20, 5, weight_over_l2=True) is gd.prefer_cublas(1 << 20, 5)
+    assert big in {c.name for c in gd.table_configs(4)}
 
 
 @pytest.mark.parametrize(
@@ -391,13 +443,14 @@ def test_cublas_threshold_from_buckets_below_the_largest(monkeypatch, old, kerne
             recs.append(dict(base, impl="dequant_cublas", us=10.0))
             recs.append(dict(base, impl="kernel", config="m64n128k64s3w1x4", ctas_per_sm=1,
                              us=kern_us))  # fmt: skip
-    _, cublas_from = bg.table_from(recs)
-    assert cublas_from.get(4) == want
+    assert bg.table_from(recs).cublas_from.get(4) == want
 
 
-def test_weights_over_l2_take_a_tile_that_covers_m():
-    """A weight larger than the L2 is read from DRAM once per M tile: the dispatcher takes a
-    later table row whose tile covers M where the row for M has a shorter tile."""
+def test_weights_over_l2_take_a_tile_that_covers_m(monkeypatch):
+    """A weight larger than the L2 is read from DRAM once per M tile: without over-L2 rows
+    for M the dispatcher takes a later table row whose tile covers M where the row for M
+    has a shorter tile."""
+    monkeypatch.setattr(gemm_table, "RULES_OVER_L2", {})
     l2 = 50 << 20  # the H100's
     big, small = (28672, 8192), (14336, 4096)  # 66 MB and 15 MB at k = 2
     assert gd.weight_bytes(*big, 2) > l2 > gd.weight_bytes(*small, 2)

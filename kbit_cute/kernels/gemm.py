@@ -968,6 +968,7 @@ def table_specs(arch: str) -> list:
 
     out = []
     for k in (2, 3, 4, 5):
-        cfgs = {for_arch(GemmConfig.parse(row[1]), arch): None for row in gemm_table.RULES[k]}
+        rows = [*gemm_table.RULES[k], *gemm_table.RULES_OVER_L2.get(k, ())]
+        cfgs = {for_arch(GemmConfig.parse(row[1]), arch): None for row in rows}
         out += [gemm_spec(k, dt, cfg) for cfg in cfgs for dt in _DTYPES]
     return out

@@ -73,3 +73,5 @@ RULES = {
     ],
 }
 CUBLAS_FROM_M = {2: 1024, 3: 1024, 4: 512, 5: 512}
+RULES_OVER_L2 = {}
+CUBLAS_FROM_M_OVER_L2 = {}
