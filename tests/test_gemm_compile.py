@@ -214,7 +214,9 @@ def test_table_rows_are_valid_and_cover_every_m():
     for k in KS:
         rows = gemm_table.RULES[k]
         assert [r[0] for r in rows] == sorted(r[0] for r in rows) and rows[-1][0] >= 1 << 20
-        for _m_max, name, ctas_per_sm, max_splits in rows:
+        over_l2 = gemm_table.RULES_OVER_L2.get(k, [])
+        assert [r[0] for r in over_l2] == sorted(r[0] for r in over_l2)
+        for _m_max, name, ctas_per_sm, max_splits in rows + over_l2:
             cfg = g.GemmConfig.parse(name)
             assert g.GemmKernel.can_implement(k, "f16", cfg), name
             # On an A100 (163 KB) the dispatcher takes the mma.sync twin of a wgmma row and
@@ -224,6 +226,7 @@ def test_table_rows_are_valid_and_cover_every_m():
             assert ctas_per_sm >= 1 and max_splits >= 1
         for M in (5, 16, 17, 100, 4096, 1 << 20):
             assert gd.table_rule(k, M)[0] in [r[1] for r in rows]
+            assert gd.table_rule(k, M, True)[0] in [r[1] for r in rows + over_l2]
 
 
 def test_lane_table_falls_back_where_it_does_not_fit():

@@ -7,9 +7,11 @@ candidate tiling x worker density on the shapes of its SHAPES list (geometric me
 RULES[k]: rows (m_max, config name, CTAs per SM, max splits: ``plan_workers``); the
 first row with M <= m_max applies. CUBLAS_FROM_M[k]: smallest M from which dequantize
 + cuBLAS was measured faster than the kernel (None: the kernel always won).
+RULES_OVER_L2 / CUBLAS_FROM_M_OVER_L2: the same for weights larger than the L2, tuned
+on such weights only (``--shapes``); where they have no row for M, RULES applies.
 """
 
-PROVISIONAL = False
+PROVISIONAL = True  # k = [2, 3, 4, 5] not measured
 MEASURED_ON = "NVIDIA H100 80GB HBM3"
 COMMAND = (
     "python -m perf.bench_gemm --tune --k 2 --json /root/out/tune_k2.json; python -m "
@@ -31,7 +33,13 @@ COMMAND = (
     "64 128 256 --k 2 3 4 5 --json /root/out/tune.json; python -m perf.bench_gemm "
     "--write-table-from tune.json; then python -m perf.bench_gemm --tune --buckets 64 128 256 "
     "512 --k 2 3 4 5 --json /root/out/tune.json; python -m perf.bench_gemm --write-table-from "
-    "tune.json"
+    "tune.json; then python -m perf.bench_gemm --tune --shapes 8192x28672 28672x8192 "
+    "--buckets 16 32 64 128 256 512 --k 4 --json /root/out/tune_big_k4.json; python -m "
+    "perf.bench_gemm --tune --shapes 8192x28672 28672x8192 --buckets 16 32 64 128 256 512 --k "
+    "2 3 5 --json /root/out/tune_big_k235.json; python -m perf.bench_gemm --tune --shapes "
+    "8192x28672 28672x8192 --buckets 2147483648 --k 2 3 4 5 --json "
+    "/root/out/tune_big_last.json; python -m perf.bench_gemm --write-table-from "
+    "tune_big_k4.json tune_big_k235.json tune_big_last.json"
 )
 
 RULES = {
@@ -73,5 +81,42 @@ RULES = {
     ],
 }
 CUBLAS_FROM_M = {2: 1024, 3: 1024, 4: 512, 5: 512}
-RULES_OVER_L2 = {}
-CUBLAS_FROM_M_OVER_L2 = {}
+RULES_OVER_L2 = {
+    2: [
+        (16, "m16n128k128s4w1x4", 4, 16),
+        (32, "m32n128k64s4w1x4rg", 4, 16),
+        (64, "m64n256k64s6w1x8rg", 1, 16),
+        (128, "m128n128k64s4w1x8rg", 2, 16),
+        (256, "m256n128k64s4w1x8g", 1, 16),
+        (512, "m128n128k64s4w1x8rg", 1, 16),
+        (2147483648, "m128n256k64s4w1x8g", 1, 16),
+    ],
+    3: [
+        (16, "m16n128k128s3w1x4r", 3, 16),
+        (32, "m32n128k64s4w1x4rg", 4, 16),
+        (64, "m64n128k64s4w1x4rg", 3, 16),
+        (128, "m128n256k64s4w1x8rg", 1, 16),
+        (256, "m256n128k64s4w1x8g", 1, 16),
+        (512, "m128n128k64s4w1x8rg", 1, 16),
+        (2147483648, "m256n128k64s5w1x8lg", 1, 16),
+    ],
+    4: [
+        (16, "m16n128k128s3w1x4l", 3, 16),
+        (32, "m32n128k64s4w1x4rg", 2, 16),
+        (64, "m64n256k64s6w1x8rg", 1, 16),
+        (128, "m128n256k64s4w1x8rg", 1, 16),
+        (256, "m256n128k64s4w1x8rg", 1, 16),
+        (512, "m256n128k64s5w1x8lg", 1, 16),
+        (2147483648, "m256n128k64s4w1x8rg", 1, 16),
+    ],
+    5: [
+        (16, "m16n256k128s3w1x8l", 1, 16),
+        (32, "m32n256k64s4w1x8l", 1, 16),
+        (64, "m64n256k64s3w1x8l", 1, 16),
+        (128, "m128n256k64s4w1x8g", 1, 16),
+        (256, "m256n128k64s4w1x8g", 1, 16),
+        (512, "m256n128k64s4w1x8g", 1, 16),
+        (2147483648, "m256n128k64s4w1x8g", 1, 16),
+    ],
+}
+CUBLAS_FROM_M_OVER_L2 = {2: 1024, 3: 1024, 4: 1024, 5: 1024}
