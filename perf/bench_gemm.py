@@ -11,8 +11,10 @@ cuBLAS matmul peak measured in the same run):
   M bucket and shape (``--candidates table``: only the table's tiling per bucket), then
   ``--write-table`` turns the measurements into ``kbit_cute/kernels/gemm_table.py``
   (the fastest candidate per (k, M bucket) by geometric mean over the shapes; where
-  dequantize + cuBLAS is faster, CUBLAS_FROM_M). Tune one k per command to stay within
-  10 minutes, then merge: ``--write-table-from tune_k2.json tune_k3.json ...``.
+  dequantize + cuBLAS is faster, CUBLAS_FROM_M). Shapes whose weight is larger than the
+  L2 make their own rows (RULES_OVER_L2, CUBLAS_FROM_M_OVER_L2): tune them apart with
+  ``--shapes``. Tune one k per command to stay within 10 minutes, then merge:
+  ``--write-table-from tune_k2.json tune_k3.json ...``.
 
     python -m perf.bench_gemm --tune --k 4 --json $OUT/tune_k4.json
     python -m perf.bench_gemm --write-table-from tune_k*.json
