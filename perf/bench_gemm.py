@@ -237,12 +237,22 @@ class TableUpdate(NamedTuple):
     cublas_from_over_l2: dict
 
 
-def table_from(records: list[dict]) -> TableUpdate:
+def table_from(records: list[dict], keep_tilings: bool = False) -> TableUpdate:
     """The table's rows and cuBLAS thresholds from tune records (any subset of k, buckets
     and shapes). Records of weights over the L2 (``over_l2``, set by ``tune``) make that
-    class's rows; the others the general rows."""
+    class's rows; the others the general rows. ``keep_tilings``: choose only among the
+    tilings the table already has for that k (a re-tune of densities and rows that adds
+    no variant to compile and validate)."""
     from kbit_cute.kernels import gemm_table
 
+    if keep_tilings:
+        tabled = {
+            k: {r[1] for r in [*rows, *gemm_table.RULES_OVER_L2.get(k, ())]}
+            for k, rows in gemm_table.RULES.items()
+        }
+        records = [
+            r for r in records if r["impl"] != "kernel" or r["config"] in tabled.get(r["k"], ())
+        ]
     general = [r for r in records if not r.get("over_l2", False)]
     over = [r for r in records if r.get("over_l2", False)]
     rules, cublas_from = _class_table(general, gemm_table.CUBLAS_FROM_M)
@@ -444,6 +454,8 @@ def main(argv=None) -> None:
                    help="--tune: only the buckets of these m_max (default: all)")  # fmt: skip
     p.add_argument("--write-table", action="store_true", help="with --tune: write the table")
     p.add_argument("--write-table-from", nargs="+", type=Path, help="tune JSONs -> the table")
+    p.add_argument("--keep-tilings", action="store_true",
+                   help="--write-table-from: only tilings the table already has")  # fmt: skip
     p.add_argument("--atomic", action="store_true",
                    help="report: also time the atomic hand-over where CTAs share tiles")  # fmt: skip
     p.add_argument("--json", type=Path, default=None)
@@ -461,7 +473,7 @@ def main(argv=None) -> None:
             gpus.add(data["gpu"])
             tunes.append(data["command"])
         command = "; ".join([*tunes, command])
-        update = table_from(recs)
+        update = table_from(recs, args.keep_tilings)
         write_table(update, " / ".join(sorted(gpus)), command)
         print(f"wrote {TABLE_PATH}: k = {sorted(update.rules)}, "
               f"over the L2 k = {sorted(update.rules_over_l2)}")  # fmt: skip

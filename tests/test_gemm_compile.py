@@ -449,6 +449,23 @@ def test_cublas_threshold_from_buckets_below_the_largest(monkeypatch, old, kerne
     assert bg.table_from(recs).cublas_from.get(4) == want
 
 
+def test_keep_tilings_chooses_among_the_tables_own():
+    """``--keep-tilings``: a faster candidate the table does not have yet is passed over
+    for the best tiling it has (no new variant to compile and validate)."""
+    from perf import bench_gemm as bg
+
+    have = gemm_table.RULES[4][0][1]  # the M <= 16 row's tiling
+    new = next(n for n in bg.BUCKETS[0][2] if n not in {r[1] for r in gemm_table.RULES[4]}
+               and n not in {r[1] for r in gemm_table.RULES_OVER_L2.get(4, ())})  # fmt: skip
+    recs = []
+    for K, N in bg.SHAPES[:2]:
+        base = dict(K=K, N=N, k=4, M=16, m_max=16, over_l2=False)
+        recs.append(dict(base, impl="kernel", config=new, ctas_per_sm=1, us=5.0))
+        recs.append(dict(base, impl="kernel", config=have, ctas_per_sm=3, us=9.0))
+    assert bg.table_from(recs).rules[4] == [(16, new, 1, bg.MAX_SPLITS)]
+    assert bg.table_from(recs, keep_tilings=True).rules[4] == [(16, have, 3, bg.MAX_SPLITS)]
+
+
 def test_weights_over_l2_take_a_tile_that_covers_m(monkeypatch):
     """A weight larger than the L2 is read from DRAM once per M tile: without over-L2 rows
     for M the dispatcher takes a later table row whose tile covers M where the row for M

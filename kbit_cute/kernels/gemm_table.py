@@ -11,7 +11,7 @@ RULES_OVER_L2 / CUBLAS_FROM_M_OVER_L2: the same for weights larger than the L2, 
 on such weights only (``--shapes``); where they have no row for M, RULES applies.
 """
 
-PROVISIONAL = True  # k = [2, 3, 4, 5] not measured
+PROVISIONAL = False
 MEASURED_ON = "NVIDIA H100 80GB HBM3"
 COMMAND = (
     "python -m perf.bench_gemm --tune --k 2 --json /root/out/tune_k2.json; python -m "
@@ -39,23 +39,26 @@ COMMAND = (
     "2 3 5 --json /root/out/tune_big_k235.json; python -m perf.bench_gemm --tune --shapes "
     "8192x28672 28672x8192 --buckets 2147483648 --k 2 3 4 5 --json "
     "/root/out/tune_big_last.json; python -m perf.bench_gemm --write-table-from "
-    "tune_big_k4.json tune_big_k235.json tune_big_last.json"
+    "tune_big_k4.json tune_big_k235.json tune_big_last.json; then python -m perf.bench_gemm "
+    "--tune --shapes 4096x14336 14336x4096 2048x10240 10240x2048 --buckets 16 32 64 128 256 "
+    "512 --k 2 3 4 5 --json /root/out/tune_l2.json; python -m perf.bench_gemm "
+    "--write-table-from tune_l2.json --keep-tilings"
 )
 
 RULES = {
     2: [
         (16, "m16n128k128s4w1x4", 4, 16),
-        (32, "m32n128k64s4w1x4", 3, 16),
+        (32, "m32n128k64s4w1x4rg", 3, 16),
         (64, "m64n256k64s6w1x8rg", 1, 16),
-        (128, "m128n128k64s4w1x8rg", 2, 16),
+        (128, "m128n128k64s4w1x8rg", 1, 16),
         (256, "m256n128k64s4w1x8g", 1, 16),
         (512, "m128n128k64s4w1x8rg", 1, 16),
         (2147483648, "m64n128k64s3w1x4", 1, 16),
     ],
     3: [
-        (16, "m16n128k128s3w1x4r", 3, 16),
-        (32, "m32n128k64s4w1x4r", 3, 16),
-        (64, "m64n128k64s4w1x4rg", 3, 16),
+        (16, "m16n128k128s3w1x4r", 2, 16),
+        (32, "m32n128k64s4w1x4rg", 2, 16),
+        (64, "m64n128k64s4w1x4rg", 2, 16),
         (128, "m128n128k64s4w1x8rg", 2, 16),
         (256, "m256n128k64s5w1x8lg", 1, 16),
         (512, "m128n128k64s4w1x8rg", 1, 16),
@@ -63,10 +66,10 @@ RULES = {
     ],
     4: [
         (16, "m16n128k128s3w1x4r", 2, 16),
-        (32, "m32n128k128s3w1x4l", 2, 16),
+        (32, "m32n128k64s4w1x4rg", 2, 16),
         (64, "m64n256k64s6w1x8rg", 1, 16),
         (128, "m128n128k64s4w1x8rg", 1, 16),
-        (256, "m256n128k64s4w1x8rg", 1, 16),
+        (256, "m256n128k64s5w1x8lg", 1, 16),
         (512, "m256n128k64s4w1x8rg", 1, 16),
         (2147483648, "m64n128k64s3w1x4l", 1, 16),
     ],
@@ -76,7 +79,7 @@ RULES = {
         (64, "m64n256k64s3w1x8l", 1, 16),
         (128, "m128n256k64s4w1x8g", 1, 16),
         (256, "m256n128k64s4w1x8g", 1, 16),
-        (512, "m256n128k64s4w1x8g", 2, 16),
+        (512, "m256n128k64s4w1x8g", 1, 16),
         (2147483648, "m64n256k64s3w1x8l", 1, 16),
     ],
 }
