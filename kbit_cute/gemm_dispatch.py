@@ -32,7 +32,14 @@ from .compile import MisalignedError, current_raw_stream, launcher
 from .format import BLOCK, KbitWeight, padded_shape
 from .kernels import gemm_table
 from .kernels.device_helpers import check_run_bounds
-from .kernels.gemm import GemmConfig, GemmKernel, for_arch, gemm_spec, has_wgmma
+from .kernels.gemm import (
+    GemmConfig,
+    GemmKernel,
+    for_arch,
+    gemm_spec,
+    has_wgmma,
+    table_rows,
+)
 
 _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 MIN_K_ITERS_PER_SPLIT = 2  # a split shorter than this is mostly pipeline fill and drain
@@ -47,7 +54,7 @@ def table_rule(k: int, M: int, weight_over_l2: bool = False) -> tuple[str, int, 
 
     ``weight_over_l2``: the weight is larger than the L2, so every M tile streams it from
     DRAM again. Such weights have rows of their own (``RULES_OVER_L2``, tuned on weights
-    over the L2; k = 4, M = 128 on 8192x28672: 140 us with their m128n256 tile against 184
+    over the L2; k = 4, M = 128 on 8192x28672: 140 us with their m128n256 tile against 170
     with the general row's m128n128). Where those rows stop short of M, a later general
     row whose tile covers M is taken (k = 2, M = 64 on 8192x28672 took 140 us with the
     M <= 64 row's m32 tile, 111 us with the M <= 128 row's m64 tile). The worker density
@@ -160,8 +167,7 @@ def weight_over_l2_on(N: int, K: int, k: int, dev: int) -> bool:
 def table_configs(k: int) -> list[GemmConfig]:
     """The configs the table uses for bits k, general and over-L2 rows (what CI compiles
     and the tests cover)."""
-    rows = [*gemm_table.RULES[k], *gemm_table.RULES_OVER_L2.get(k, ())]
-    return [GemmConfig.parse(n) for n in dict.fromkeys(row[1] for row in rows)]
+    return [GemmConfig.parse(n) for n in dict.fromkeys(row[1] for row in table_rows(k))]
 
 
 # ----------------------------------------------------------------------------- buffers

@@ -66,8 +66,11 @@ def _compile_into_cache(name: str, arch: str) -> tuple[str, float, str | None]:
     Returns (name, seconds, error): error None when cached already, "" when compiled."""
     from . import compile as kc
     from .kernels import all_specs
+    from .kernels.gemm import gemm_spec_named
 
-    spec = next(s for s in all_specs() if s.name == name)
+    spec = next((s for s in all_specs() if s.name == name), None)
+    if spec is None:  # a GEMM tiling outside the table (tune candidates)
+        spec = gemm_spec_named(name)
     path = kc.entry_path(spec, arch)
     if path.is_file():
         return name, 0.0, None

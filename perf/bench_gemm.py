@@ -40,7 +40,7 @@ from tabulate import tabulate
 import kbit_cute
 from kbit_cute import gemm_dispatch as gd
 from kbit_cute.device import device_props
-from kbit_cute.kernels.gemm import GemmConfig, GemmKernel
+from kbit_cute.kernels.gemm import GemmConfig, GemmKernel, gemm_spec, table_rows
 
 from .common import copies_for, graph_time_us, read_bandwidth_gbs, tensor_tflops
 
@@ -165,12 +165,17 @@ class Bench:
 # ----------------------------------------------------------------------------- tune
 
 
-def tune(ks, shapes, sm_count: int, log, table_only: bool = False, buckets=None) -> list[dict]:
+def tune(
+    ks, shapes, sm_count: int, log, table_only: bool = False, buckets=None, jobs: int = 1
+) -> list[dict]:
     """Timings of the candidates of every bucket (or of the buckets whose m_max is listed
-    in ``buckets``) on ``shapes``."""
+    in ``buckets``) on ``shapes``. The candidates are compiled first, ``jobs`` at a time
+    (into the disk cache: one compile each takes 1-8 s, the tune's timing far less)."""
     from kbit_cute.kernels import gemm_table
 
     props = device_props(torch.cuda.current_device())
+    if not table_only:
+        compile_candidates(ks, buckets, props, jobs, log)
     records = []
     for K, N in shapes:
         b = Bench(K, N, ks)
@@ -222,6 +227,22 @@ def tune(ks, shapes, sm_count: int, log, table_only: bool = False, buckets=None)
     return records
 
 
+def compile_candidates(ks, buckets, props, jobs: int, log) -> None:
+    """Every fp16 candidate tiling of the tuned buckets, compiled in parallel processes."""
+    from kbit_cute import precompile
+
+    names = sorted({n for m_max, _, ns in BUCKETS if buckets is None or m_max in buckets
+                    for n in ns})  # fmt: skip
+    specs = [
+        gemm_spec(k, "f16", GemmConfig.parse(n)) for k in ks for n in names
+        if GemmKernel.can_implement(k, "f16", GemmConfig.parse(n), props.smem_per_block_optin)
+    ]  # fmt: skip
+    got = precompile.build(specs, props.arch, jobs)
+    log(f"candidates: {got['variants']}, compiled {got['compiled']} in {got['wall_s']:.0f} s")
+    for name, error in got["failed"].items():  # the tune records these as inf
+        log(f"  {name}: {error}")
+
+
 def _geomean(xs) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
@@ -246,10 +267,7 @@ def table_from(records: list[dict], keep_tilings: bool = False) -> TableUpdate:
     from kbit_cute.kernels import gemm_table
 
     if keep_tilings:
-        tabled = {
-            k: {r[1] for r in [*rows, *gemm_table.RULES_OVER_L2.get(k, ())]}
-            for k, rows in gemm_table.RULES.items()
-        }
+        tabled = {k: {r[1] for r in table_rows(k)} for k in gemm_table.RULES}
         records = [
             r for r in records if r["impl"] != "kernel" or r["config"] in tabled.get(r["k"], ())
         ]
@@ -264,7 +282,6 @@ def table_from(records: list[dict], keep_tilings: bool = False) -> TableUpdate:
 def _class_table(records: list[dict], old_cublas_from: dict) -> tuple[dict, dict]:
     """(rules, cuBLAS thresholds) per k from one class's records: per bucket the candidate
     (tiling, CTAs per SM) with the smallest geometric mean of time / the point's best."""
-    from kbit_cute.kernels import gemm_table
 
     rules, cublas_from = {}, {}
     for k in sorted({r["k"] for r in records}):
@@ -287,8 +304,7 @@ def _class_table(records: list[dict], old_cublas_from: dict) -> tuple[dict, dict
             chosen[m_max] = min(sc, key=sc.get)
         # Fewer distinct tilings (CI compiles each): reuse one another bucket or the table
         # already has if close.
-        tabled = [*gemm_table.RULES.get(k, ()), *gemm_table.RULES_OVER_L2.get(k, ())]
-        used = {c[0] for c in chosen.values()} | {r[1] for r in tabled}
+        used = {c[0] for c in chosen.values()} | {r[1] for r in table_rows(k)}
         for m_max, sc in scores.items():
             best_score = sc[chosen[m_max]]
             alts = [c for c in sc if c[0] in used and sc[c] <= best_score * REUSE_SLACK]
@@ -452,6 +468,8 @@ def main(argv=None) -> None:
     )
     p.add_argument("--buckets", type=int, nargs="+", default=None,
                    help="--tune: only the buckets of these m_max (default: all)")  # fmt: skip
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="--tune: parallel compiles of the candidates")  # fmt: skip
     p.add_argument("--write-table", action="store_true", help="with --tune: write the table")
     p.add_argument("--write-table-from", nargs="+", type=Path, help="tune JSONs -> the table")
     p.add_argument("--keep-tilings", action="store_true",
@@ -490,7 +508,9 @@ def main(argv=None) -> None:
     out_dir = Path(os.environ.get("OUT", "."))
     t0 = time.time()
     if args.tune:
-        records = tune(args.k, shapes, sm_count, log, args.candidates == "table", args.buckets)
+        records = tune(
+            args.k, shapes, sm_count, log, args.candidates == "table", args.buckets, args.jobs
+        )
         path = args.json or out_dir / f"tune_gemm_k{''.join(map(str, args.k))}.json"
         path.write_text(json.dumps(dict(gpu=gpu, sm_count=sm_count, command=command,
                                         records=records), indent=1))  # fmt: skip

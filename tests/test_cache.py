@@ -324,3 +324,21 @@ def test_env_report_runs_without_a_gpu(cache, capsys):
     for part in ("nvidia-cutlass-dsl 4.8.1", "apache-tvm-ffi", "torch", str(cache)):
         assert part in out, out
     assert "test kernel dequantize_k4_f16:" in out and "FAILED" not in out
+
+
+def test_precompile_builds_a_gemm_tiling_outside_the_table(cache):
+    """Tune candidates are not registered variants: ``precompile.build`` rebuilds their
+    spec from the name in its worker (``gemm_spec_named``) and caches it like any other."""
+    from kbit_cute import precompile
+    from kbit_cute.kernels import gemm
+
+    name = "m16n128k64s3w1x4"  # a tiling the table does not use for k = 5
+    assert name not in {r[1] for r in gemm.table_rows(5)}
+    spec = gemm.gemm_spec(5, "f16", gemm.GemmConfig.parse(name))
+    assert gemm.gemm_spec_named(spec.name).name == spec.name
+    for bad in ("gemm_k6_f16_" + name, "gemv_k4_f16_" + name, "gemm_k4_f32_" + name):
+        with pytest.raises(ValueError, match="GEMM variant name"):
+            gemm.gemm_spec_named(bad)
+    got = precompile.build([spec], "sm_90a", jobs=1)
+    assert got["compiled"] == 1 and not got["failed"], got
+    assert kc.entry_path(spec, "sm_90a").is_file()

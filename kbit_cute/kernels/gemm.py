@@ -945,6 +945,16 @@ def gemm_spec(k: int, dtype: str, config: GemmConfig):
     return KernelSpec(f"gemm_k{k}_{dtype}_{config.name}", build, expect=expect)
 
 
+def gemm_spec_named(name: str):
+    """``gemm_spec`` from its variant name, ``gemm_k<k>_<dtype>_<config name>`` (any
+    tiling, not only the table's: what a parallel compile of tune candidates sends its
+    worker processes)."""
+    prefix, k, dtype, config = name.split("_", 3)
+    if prefix != "gemm" or k not in ("k2", "k3", "k4", "k5") or dtype not in _DTYPES:
+        raise ValueError(f"not a GEMM variant name: {name!r}")
+    return gemm_spec(int(k[1]), dtype, GemmConfig.parse(config))
+
+
 def has_wgmma(arch: str) -> bool:
     """Whether the target (``device.arch_name``) has the warpgroup MMA: sm_90a only."""
     return arch.startswith("sm_90")
@@ -964,11 +974,17 @@ def for_arch(cfg: GemmConfig, arch: str) -> GemmConfig:
 def table_specs(arch: str) -> list:
     """The variants the dispatch table uses on ``arch``, fp16 and bf16 (compiled and gated
     in CI)."""
-    from . import gemm_table
 
     out = []
     for k in (2, 3, 4, 5):
-        rows = [*gemm_table.RULES[k], *gemm_table.RULES_OVER_L2.get(k, ())]
-        cfgs = {for_arch(GemmConfig.parse(row[1]), arch): None for row in rows}
+        cfgs = {for_arch(GemmConfig.parse(row[1]), arch): None for row in table_rows(k)}
         out += [gemm_spec(k, dt, cfg) for cfg in cfgs for dt in _DTYPES]
     return out
+
+
+def table_rows(k: int) -> list[tuple]:
+    """Every row of the dispatch table for bits k: the general rows, then those for
+    weights over the L2 (``gemm_table``)."""
+    from . import gemm_table
+
+    return [*gemm_table.RULES.get(k, ()), *gemm_table.RULES_OVER_L2.get(k, ())]
