@@ -373,7 +373,7 @@ def _fitting(cfg: GemmConfig, k: int, smem_per_block: int) -> GemmConfig:
     """The table's config, or its compact-table twin where the pair table with a copy per
     lane does not fit ``smem_per_block`` bytes (the H100-measured table on an A100: 163 KB)."""
     if cfg.copy_per_lane and cfg.smem_bytes(k) > smem_per_block:
-        return dataclasses.replace(cfg, lane_table=False, row_table=False)
+        return dataclasses.replace(cfg, table="compact")
     return cfg
 
 

@@ -51,8 +51,8 @@ TABLE_PATH = Path(__file__).resolve().parent.parent / "kbit_cute" / "kernels" / 
 
 # Tuning: (bucket's m_max, representative M, candidate configs). The last bucket covers all
 # larger M; its representatives are 1024 and 4096.
-# Names ending in "l" use the lane-replicated pair table (GemmConfig.lane_table), in "r"
-# the row table (GemmConfig.row_table, k <= 4; the others skip those names). Warp
+# Names ending in "l" use the lane-replicated pair table (GemmConfig.table "lane"), in "r"
+# the row table ("row", k <= 4; the others skip those names). Warp
 # tiles stop at 64 x 32: 64 x 64 ones (m64n256 w1x4, m128n128 w2x2) reach 255 registers
 # and spill at some k or on sm_80, which the compile gate refuses.
 _LARGE_TILES = [

@@ -169,8 +169,19 @@ def test_other_tile_configs_compile(k, dtype, name):
 def test_config_names_round_trip_and_bad_configs_are_named():
     cfg = g.GemmConfig(64, 256, 128, 3, 1, 8)
     assert g.GemmConfig.parse(cfg.name) == cfg
+    for table, suffix in (("compact", ""), ("lane", "l"), ("row", "r")):
+        for wgmma in (False, True):
+            c = g.GemmConfig(64, 256, 64, 4, 1, 8, table=table, wgmma=wgmma)
+            assert c.name == "m64n256k64s4w1x8" + suffix + ("g" if wgmma else "")
+            assert g.GemmConfig.parse(c.name) == c
+            assert (c.lane_table, c.row_table) == (table == "lane", table == "row")
+            assert c.copy_per_lane == (table != "compact")
     with pytest.raises(ValueError, match="not a GEMM config"):
         g.GemmConfig.parse("m64n256")
+    with pytest.raises(ValueError, match="not a GEMM config"):
+        g.GemmConfig.parse("m64n256k64s4w1x8lr")  # one table layout
+    with pytest.raises(ValueError, match="table must be one of"):
+        g.GemmKernel(4, "f16", g.GemmConfig(table="lanes"))
     with pytest.raises(ValueError, match="tile_n"):
         g.GemmKernel(4, "f16", g.GemmConfig(tile_n=192))
     with pytest.raises(ValueError, match="k must be"):

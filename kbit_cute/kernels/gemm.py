@@ -21,8 +21,8 @@ runs, one per CTA; a run is the end of one tile's K, whole tiles, and the start 
   shared table of 2^(2k) packed codebook pairs (one LDS gives both halves of a B register),
   and one HFMA2 applies the block's absmax, made from its E4M4 byte by one IMAD
   (``absmax_x2``). The table is compact (random lookups conflict: ~2 wavefronts per LDS
-  at k = 4, measured), or one copy per lane (conflict-free): ``GemmConfig.lane_table``
-  (32x the memory, one LEA more per lookup) or ``GemmConfig.row_table`` (64x, k <= 4, the
+  at k = 4, measured), or one copy per lane (conflict-free): ``GemmConfig.table`` "lane"
+  (32x the memory, one LEA more per lookup) or "row" (64x, k <= 4, the
   PRMT makes the lane's address: ``pair_row_offsets``); the dispatch table picks by
   measurement.
 * Software pipelining: the next 32-weight block's B registers are dequantized while the
@@ -77,6 +77,9 @@ _BOUNDED_REGS = 168  # registers per thread of 3 CTAs of 128 threads (min_ctas_p
 
 # ----------------------------------------------------------------------------- config
 
+TABLE_LAYOUTS = ("compact", "lane", "row")
+_TABLE_SUFFIX = {"compact": "", "lane": "l", "row": "r"}  # in the config name
+
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -88,24 +91,34 @@ class GemmConfig:
     stages: int = 4
     warps_m: int = 1
     warps_n: int = 4
-    # One copy of the pair table per lane (name suffix "l"): a warp's 32 lookups hit 32
-    # banks instead of conflicting (~2 wavefronts per LDS), for 32x the table's memory and
-    # one LEA per lookup. Measurement decides per (k, M bucket) (perf/bench_gemm.py).
-    lane_table: bool = False
-    # One copy per lane in rows of 256 bytes (name suffix "r", k <= 4): entry p of lane l at
-    # 256 p + 4 l, which the pair's PRMT assembles from the index byte and the lane byte
-    # (``pair_row_offsets``), so the lane costs no instruction (the lane table's LEA is one
-    # in ~9 of the mainloop's). Twice the lane table's memory (half of each row unused).
-    row_table: bool = False
+    # Layout of the shared-memory pair table (measurement decides per (k, M bucket),
+    # perf/bench_gemm.py), one of TABLE_LAYOUTS:
+    # "compact": one copy; a warp's 32 lookups conflict (~2 wavefronts per LDS at k = 4).
+    # "lane" (name suffix "l"): one copy per lane, conflict-free, for 32x the table's memory
+    #   and one LEA per lookup.
+    # "row" (suffix "r", k <= 4): one copy per lane in rows of 256 bytes: entry p of lane l
+    #   at 256 p + 4 l, which the pair's PRMT assembles from the index byte and the lane
+    #   byte (``pair_row_offsets``), so the lane costs no instruction (the lane table's LEA
+    #   is one in ~9 of the mainloop's). Twice the lane table's memory (half of each row
+    #   unused).
+    table: str = "compact"
     # Warpgroup MMA (name suffix "g", sm_90a: ``gemm_wgmma.WgmmaGemmKernel``): the
     # dequantized weights are wgmma's register operand, the activations its shared-memory
     # operand; warps_n / 4 warpgroups of 64-column m tiles.
     wgmma: bool = False
 
     @property
+    def lane_table(self) -> bool:
+        return self.table == "lane"
+
+    @property
+    def row_table(self) -> bool:
+        return self.table == "row"
+
+    @property
     def copy_per_lane(self) -> bool:
         """Whether the pair table holds one copy per lane (lane or row layout)."""
-        return self.lane_table or self.row_table
+        return self.table != "compact"
 
     @property
     def threads(self) -> int:
@@ -116,8 +129,7 @@ class GemmConfig:
         return (
             f"m{self.tile_m}n{self.tile_n}k{self.tile_k}s{self.stages}"
             f"w{self.warps_m}x{self.warps_n}"
-            + ("l" if self.lane_table else "")
-            + ("r" if self.row_table else "")
+            + _TABLE_SUFFIX.get(self.table, "?")
             + ("g" if self.wgmma else "")
         )
 
@@ -129,13 +141,8 @@ class GemmConfig:
         m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)x(\d+)([lr]?)(g?)", name)
         if m is None:
             raise ValueError(f"not a GEMM config name: {name!r}")
-        table = m.group(7)
-        return GemmConfig(
-            *(int(x) for x in m.groups()[:-2]),
-            lane_table=table == "l",
-            row_table=table == "r",
-            wgmma=m.group(8) == "g",
-        )
+        layout = {suffix: t for t, suffix in _TABLE_SUFFIX.items()}[m.group(7)]
+        return GemmConfig(*(int(x) for x in m.groups()[:-2]), table=layout, wgmma=m.group(8) == "g")
 
     def problems(self) -> list[str]:
         """Why this config cannot be compiled (empty when it can)."""
@@ -165,8 +172,8 @@ class GemmConfig:
             out.append(f"warps_n={self.warps_n} must be a power of two <= 16 dividing tile_n/8")
         if self.threads > 512:
             out.append(f"{self.threads} threads per CTA; at most 512")
-        if self.lane_table and self.row_table:
-            out.append("lane_table and row_table are two layouts of one table: pick one")
+        if self.table not in TABLE_LAYOUTS:
+            out.append(f"table must be one of {TABLE_LAYOUTS}, got {self.table!r}")
         if self.threads < self.tile_k:
             # A copy passes must advance whole 8-row swizzle atoms.
             out.append(f"{self.threads} threads cannot copy A rows of tile_k={self.tile_k}")
