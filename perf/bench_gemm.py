@@ -12,8 +12,9 @@ cuBLAS matmul peak measured in the same run):
   ``--write-table`` turns the measurements into ``kbit_cute/kernels/gemm_table.py``
   (the fastest candidate per (k, M bucket) by geometric mean over the shapes; where
   dequantize + cuBLAS is faster, CUBLAS_FROM_M). Shapes whose weight is larger than the
-  L2 make their own rows (RULES_OVER_L2, CUBLAS_FROM_M_OVER_L2): tune them apart with
-  ``--shapes``. Tune one k per command to stay within 10 minutes, then merge:
+  L2 make their own rows (RULES_OVER_L2, CUBLAS_FROM_M_OVER_L2); the default tune shapes
+  (TUNE_SHAPES) hold two such weights and four that fit. Tune one k per command to stay
+  within 10 minutes, then merge:
   ``--write-table-from tune_k2.json tune_k3.json ...``.
 
     python -m perf.bench_gemm --tune --k 4 --json $OUT/tune_k4.json
@@ -45,6 +46,9 @@ from kbit_cute.kernels.gemm import GemmConfig, GemmKernel, gemm_spec, table_rows
 from .common import copies_for, graph_time_us, read_bandwidth_gbs, tensor_tflops
 
 SHAPES = [(4096, 14336), (14336, 4096), (8192, 28672), (2048, 10240), (10240, 2048)]
+# --tune's default: the issue's shapes plus a second weight larger than the L2, so that both
+# classes of the table (general rows, RULES_OVER_L2) are tuned on more than one shape.
+TUNE_SHAPES = [*SHAPES, (28672, 8192)]
 MS = [5, 8, 16, 32, 64, 128, 256, 1024, 4096]
 QWEN_MS = [16, 32]
 TABLE_PATH = Path(__file__).resolve().parent.parent / "kbit_cute" / "kernels" / "gemm_table.py"
@@ -300,6 +304,8 @@ def _class_table(records: list[dict], old_cublas_from: dict) -> tuple[dict, dict
                     r["us"] / best[(r["K"], r["N"], r["M"])]
                 )
             sc = {c: _geomean(v) for c, v in cands.items() if len(v) == len(points)}
+            if not sc:  # no candidate timed at every point (JSONs of different candidates)
+                continue
             scores[m_max] = sc
             chosen[m_max] = min(sc, key=sc.get)
         # Fewer distinct tilings (CI compiles each): reuse one another bucket or the table
@@ -310,11 +316,15 @@ def _class_table(records: list[dict], old_cublas_from: dict) -> tuple[dict, dict
             alts = [c for c in sc if c[0] in used and sc[c] <= best_score * REUSE_SLACK]
             if alts:
                 chosen[m_max] = min(alts, key=sc.get)
-        rules[k] = [(m_max, c[0], c[1], MAX_SPLITS) for m_max, c in sorted(chosen.items())]
+        if chosen:
+            rules[k] = [(m_max, c[0], c[1], MAX_SPLITS) for m_max, c in sorted(chosen.items())]
         if not any(r["impl"] == "dequant_cublas" for r in rk):
             continue  # nothing to compare with: the cuBLAS threshold stays
-        # dequantize + cuBLAS from the smallest representative M where it wins at every M above.
-        Ms = sorted({r["M"] for r in rk})
+        # dequantize + cuBLAS from the smallest representative M where it wins at every M above
+        # (Ms with kernel timings: --keep-tilings may have left a bucket none).
+        Ms = sorted({r["M"] for r in rk if r["impl"] == "kernel"})
+        if not Ms:
+            continue
         wins = {}
         for M in Ms:
             rm = [r for r in rk if r["M"] == M]
@@ -359,13 +369,14 @@ def write_table(update: TableUpdate, gpu: str, command: str, path: Path = TABLE_
         command = f"{gemm_table.COMMAND}; then {command}"
     all_cublas = {**gemm_table.CUBLAS_FROM_M, **update.cublas_from}
     all_cublas_over = {**gemm_table.CUBLAS_FROM_M_OVER_L2, **update.cublas_from_over_l2}
-    partial = sorted(set(gemm_table.RULES) - set(update.rules))
+    # k whose general rows were never measured (an over-L2 or partial tune measures none).
+    partial = sorted(set(gemm_table.RULES) - set(update.rules)) if gemm_table.PROVISIONAL else []
     lines = [
         '"""Dispatch table of the mma.sync GEMM (``kbit_cute.gemm_dispatch``).',
         "",
         "Measured: written by perf/bench_gemm.py from L2-cold CUDA-graph timings of every",
-        "candidate tiling x worker density on the shapes of its SHAPES list (geometric mean per",
-        "(k, M bucket)); regenerate with the command below and commit the result.",
+        "candidate tiling x worker density on the shapes of its TUNE_SHAPES list (geometric mean",
+        "per (k, M bucket)); regenerate with the command below and commit the result.",
         "",
         "RULES[k]: rows (m_max, config name, CTAs per SM, max splits: ``plan_workers``); the",
         "first row with M <= m_max applies. CUBLAS_FROM_M[k]: smallest M from which dequantize",
@@ -457,7 +468,12 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--k", type=int, nargs="+", default=[2, 3, 4, 5], choices=[2, 3, 4, 5])
     p.add_argument("--m", type=int, nargs="+", default=MS, help="report: M values")
-    p.add_argument("--shapes", nargs="+", default=None, help="KxN (default: the issue's five)")
+    p.add_argument(
+        "--shapes",
+        nargs="+",
+        default=None,
+        help="KxN (default: the issue's five; --tune: TUNE_SHAPES)",
+    )
     p.add_argument("--no-qwen", action="store_true", help="report: skip Qwen3-Coder-Next shapes")
     p.add_argument("--tune", action="store_true", help="sweep candidate configs (see above)")
     p.add_argument(
@@ -499,7 +515,7 @@ def main(argv=None) -> None:
 
     if not torch.cuda.is_available():
         raise SystemExit("bench_gemm measures on a CUDA GPU; none is visible")
-    shapes = SHAPES
+    shapes = TUNE_SHAPES if args.tune else SHAPES
     if args.shapes:
         shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes]
     dev = torch.cuda.current_device()

@@ -336,7 +336,7 @@ def test_precompile_builds_a_gemm_tiling_outside_the_table(cache):
     assert name not in {r[1] for r in gemm.table_rows(5)}
     spec = gemm.gemm_spec(5, "f16", gemm.GemmConfig.parse(name))
     assert gemm.gemm_spec_named(spec.name).name == spec.name
-    for bad in ("gemm_k6_f16_" + name, "gemv_k4_f16_" + name, "gemm_k4_f32_" + name):
+    for bad in ("gemm_k6_f16_" + name, "gemv_k4_f16_" + name, "gemm_k4_f32_" + name, "gemm_k4"):
         with pytest.raises(ValueError, match="GEMM variant name"):
             gemm.gemm_spec_named(bad)
     got = precompile.build([spec], "sm_90a", jobs=1)

@@ -331,12 +331,16 @@ def test_bad_inputs_raise_clear_errors(cpu_weight):
         _call(A, qw)
 
 
-def test_benchmark_writes_a_loadable_table(tmp_path):
+@pytest.mark.parametrize("provisional", [True, False])
+def test_benchmark_writes_a_loadable_table(tmp_path, monkeypatch, provisional):
     """perf.bench_gemm's table writer, fed synthetic timings: the fastest candidate per
-    bucket wins, cuBLAS takes over where it was faster at every larger M."""
+    bucket wins, cuBLAS takes over where it was faster at every larger M. The table stays
+    provisional while some k's rows were never measured."""
     import importlib.util
 
     from perf import bench_gemm as bg
+
+    monkeypatch.setattr(gemm_table, "PROVISIONAL", provisional)
 
     recs = []
     for K, N in bg.SHAPES[:2]:
@@ -359,7 +363,7 @@ def test_benchmark_writes_a_loadable_table(tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.RULES[3] == rules[3] and mod.CUBLAS_FROM_M[3] == 1024
-    assert mod.PROVISIONAL is True  # the other k kept their provisional rows
+    assert mod.PROVISIONAL is provisional  # the other k kept their rows, measured or not
     assert mod.MEASURED_ON == "Test GPU" and set(mod.RULES) == {2, 3, 4, 5}
 
 
@@ -475,6 +479,13 @@ def test_keep_tilings_chooses_among_the_tables_own():
         recs.append(dict(base, impl="kernel", config=have, ctas_per_sm=3, us=9.0))
     assert bg.table_from(recs).rules[4] == [(16, new, 1, bg.MAX_SPLITS)]
     assert bg.table_from(recs, keep_tilings=True).rules[4] == [(16, have, 3, bg.MAX_SPLITS)]
+    # a bucket left without kernel timings keeps its row and its cuBLAS verdict
+    only_new = [r for r in recs if r["config"] == new]
+    only_new += [dict(r, impl="dequant_cublas", us=50.0) for r in only_new]
+    for r in only_new[2:]:
+        r.pop("config")
+    update = bg.table_from(only_new, keep_tilings=True)
+    assert update.rules == {} and update.cublas_from == {}
 
 
 def test_weights_over_l2_take_a_tile_that_covers_m(monkeypatch):

@@ -956,8 +956,11 @@ def gemm_spec_named(name: str):
     """``gemm_spec`` from its variant name, ``gemm_k<k>_<dtype>_<config name>`` (any
     tiling, not only the table's: what a parallel compile of tune candidates sends its
     worker processes)."""
-    prefix, k, dtype, config = name.split("_", 3)
-    if prefix != "gemm" or k not in ("k2", "k3", "k4", "k5") or dtype not in _DTYPES:
+    parts = name.split("_", 3)
+    if len(parts) != 4 or parts[0] != "gemm" or parts[1] not in ("k2", "k3", "k4", "k5"):
+        raise ValueError(f"not a GEMM variant name: {name!r}")
+    _, k, dtype, config = parts
+    if dtype not in _DTYPES:
         raise ValueError(f"not a GEMM variant name: {name!r}")
     return gemm_spec(int(k[1]), dtype, GemmConfig.parse(config))
 
