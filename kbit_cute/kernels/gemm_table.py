@@ -1,14 +1,14 @@
 """Dispatch table of the mma.sync GEMM (``kbit_cute.gemm_dispatch``).
 
 Measured: written by perf/bench_gemm.py from L2-cold CUDA-graph timings of every
-candidate tiling x worker density on the shapes of its SHAPES list (geometric mean per
-(k, M bucket)); regenerate with the command below and commit the result.
+candidate tiling x worker density on the shapes its command names (default: TUNE_SHAPES;
+geometric mean per (k, M bucket)); regenerate with the command below and commit it.
 
 RULES[k]: rows (m_max, config name, CTAs per SM, max splits: ``plan_workers``); the
 first row with M <= m_max applies. CUBLAS_FROM_M[k]: smallest M from which dequantize
 + cuBLAS was measured faster than the kernel (None: the kernel always won).
 RULES_OVER_L2 / CUBLAS_FROM_M_OVER_L2: the same for weights larger than the L2, tuned
-on such weights only (``--shapes``); where they have no row for M, RULES applies.
+on such weights only; where they have no row for M, RULES applies.
 """
 
 PROVISIONAL = False
