@@ -4,7 +4,7 @@ worker choice, split-K buffers, launch.
 ``gemm_mma(A2d, qw, bias, out)`` runs ``kernels/gemm.py`` on CUDA tensors. The tiling and
 the worker count come from the measured table ``kernels/gemm_table.py`` (rows by k and M,
 ``plan_workers``), unless the caller passes ``config`` / ``splits`` / ``workers``.
-``prefer_cublas(M, k, over_l2)`` says where the table found dequantize + cuBLAS faster;
+``use_cublas(M, N, K, k, dev)`` says where the table found dequantize + cuBLAS faster;
 ``kbit_cute.gemm`` uses it to pick the path.
 
 Split-K buffers live per (device, stream): an fp32 partials buffer (deterministic mode: the
@@ -158,9 +158,14 @@ def prefer_cublas(M: int, k: int, weight_over_l2: bool = False) -> bool:
     return m0 is not None and M >= m0
 
 
+def use_cublas(M: int, N: int, K: int, k: int, dev: int) -> bool:
+    """Whether ``kbit_cute.gemm`` takes dequantize + cuBLAS for this problem on CUDA device
+    ``dev`` (``prefer_cublas`` with the weight's class; asked per call)."""
+    return prefer_cublas(M, k, _over_l2_on(N, K, k, dev))
+
+
 @functools.lru_cache(maxsize=4096)
-def weight_over_l2_on(N: int, K: int, k: int, dev: int) -> bool:
-    """``weight_over_l2`` on CUDA device ``dev`` (cached: ``kbit_cute.gemm`` asks per call)."""
+def _over_l2_on(N: int, K: int, k: int, dev: int) -> bool:
     return weight_over_l2(N, K, k, _device.check_device(dev).l2_bytes)
 
 

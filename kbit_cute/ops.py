@@ -645,8 +645,7 @@ def _gemm_large_m(A, packed, absmax, codebook, scale, k, N, K, bias, out):
     from . import gemm_dispatch
 
     M = A.numel() // K
-    over_l2 = gemm_dispatch.weight_over_l2_on(N, K, k, A.get_device())
-    if gemm_dispatch.prefer_cublas(M, k, over_l2):
+    if gemm_dispatch.use_cublas(M, N, K, k, A.get_device()):
         W = _dequantize_impl(packed, absmax, codebook, scale, k, N, K, A.dtype)
         return out.copy_(torch.nn.functional.linear(A, W, bias))
     gemm_dispatch.launch(

@@ -440,8 +440,8 @@ def report(ks, shapes, Ms, bw: float, tflops: float, sm_count: int, log, atomic_
                 if atomic_too and gd.hands_over(M, N, cfg, workers):
                     t_atomic = b.kernel(M, k)
                 t_dq = b.dequant_cublas(M, k)
-                over_l2 = gd.weight_over_l2_on(N, K, k, torch.cuda.current_device())
-                path = "dequant+cuBLAS" if gd.prefer_cublas(M, k, over_l2) else "kernel"
+                cublas = gd.use_cublas(M, N, K, k, torch.cuda.current_device())
+                path = "dequant+cuBLAS" if cublas else "kernel"
                 t_path = t_dq if path != "kernel" else t
                 wb = b.weight_bytes(k)
                 rec = dict(K=K, N=N, k=k, M=M, config=cfg.name, workers=workers, kernel_us=t,

@@ -441,6 +441,10 @@ def test_weights_over_l2_get_rows_of_their_own(tmp_path, monkeypatch):
     assert gd.prefer_cublas(1 << 20, 4, weight_over_l2=True) is False
     assert gd.prefer_cublas(1 << 20, 4) is (gemm_table.CUBLAS_FROM_M[4] is not None)
     assert gd.prefer_cublas(1 << 20, 5, weight_over_l2=True) is gd.prefer_cublas(1 << 20, 5)
+    # kbit_cute.gemm's question per call: the weight's class on the device, then its threshold
+    monkeypatch.setattr(gd, "_over_l2_on", lambda N, K, k, dev: gd.weight_over_l2(N, K, k, l2))
+    assert gd.use_cublas(1 << 20, 28672, 8192, 4, 0) is False
+    assert gd.use_cublas(1 << 20, 14336, 4096, 4, 0) is gd.prefer_cublas(1 << 20, 4)
     assert big in {c.name for c in gd.table_configs(4)}
 
 

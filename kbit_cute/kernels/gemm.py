@@ -79,6 +79,7 @@ _BOUNDED_REGS = 168  # registers per thread of 3 CTAs of 128 threads (min_ctas_p
 
 TABLE_LAYOUTS = ("compact", "lane", "row")
 _TABLE_SUFFIX = {"compact": "", "lane": "l", "row": "r"}  # in the config name
+_TABLE_OF_SUFFIX = {suffix: layout for layout, suffix in _TABLE_SUFFIX.items()}
 
 
 @dataclass(frozen=True)
@@ -141,8 +142,11 @@ class GemmConfig:
         m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)x(\d+)([lr]?)(g?)", name)
         if m is None:
             raise ValueError(f"not a GEMM config name: {name!r}")
-        layout = {suffix: t for t, suffix in _TABLE_SUFFIX.items()}[m.group(7)]
-        return GemmConfig(*(int(x) for x in m.groups()[:-2]), table=layout, wgmma=m.group(8) == "g")
+        return GemmConfig(
+            *(int(x) for x in m.groups()[:-2]),
+            table=_TABLE_OF_SUFFIX[m.group(7)],
+            wgmma=m.group(8) == "g",
+        )
 
     def problems(self) -> list[str]:
         """Why this config cannot be compiled (empty when it can)."""
