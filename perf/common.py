@@ -41,6 +41,12 @@ REPEATS = 9
 EAGER_REPEATS = 5
 EAGER_MAX_CALLS = 200  # eager passes are host-bound for small weights: cap their length
 ROTATION = 4  # copies span > ROTATION x L2
+# Compute-bound points (large M) drive the H100 into its 700 W power cap: the SM clock falls to
+# ~1.2-1.4 GHz and stays there ~0.5 s after they end. Issue-bound points timed in that window
+# (the GEMV at k = 2, 3, 5) ran up to 40% slow (perf/NOTES.md, session 18), so a sweep pauses
+# COOLDOWN_S before a point of M < HEAVY_M that follows one of M >= HEAVY_M.
+COOLDOWN_S = 1.0
+HEAVY_M = 256
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -207,6 +213,11 @@ class CudaTimer:
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
+    def cool_down(self) -> None:
+        """Let the GPU leave its power cap before a memory-bound point (``COOLDOWN_S``)."""
+        torch.cuda.synchronize()
+        time.sleep(COOLDOWN_S)
+
 
 # ----------------------------------------------------------------------------- CPU smoke
 
@@ -251,6 +262,9 @@ class CpuSmokeTimer:
         return 2 * 256**3 / max(time.perf_counter() - t, 1e-9) / 1e12
 
     def synchronize(self) -> None:
+        pass
+
+    def cool_down(self) -> None:
         pass
 
 

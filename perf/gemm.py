@@ -11,8 +11,9 @@ warm-up (one call per copy) + EAGER_REPEATS eager passes over the copies + captu
 ``calls`` launches + (1 + REPEATS) replays of ``calls`` calls, where copies = ceil(4 L2 /
 weight bytes) + 1 and calls = max(copies, min(20, 5 ms / call)); plus one-time kbit
 compiles (~1.2 s per (k, M bucket)) and gemlite autotuning (~1 s per shape and M bucket,
-a guess: its shipped H100 cache may cover some). ``--budget-s`` (default 450 s) is the
-guard: points past it are recorded as skipped, so a run always finishes and reports.
+a guess: its shipped H100 cache may cover some), and a COOLDOWN_S pause before the first small
+M after a large one (perf/common.py: out of the power cap). ``--budget-s`` (default 450 s)
+is the guard: points past it are recorded as skipped, so a run always finishes and reports.
 """
 
 from __future__ import annotations
@@ -27,7 +28,15 @@ import torch
 from kbit_cute.ops import _M_BUCKET, GEMV_MAX_M
 
 from . import models
-from .common import EAGER_MAX_CALLS, EAGER_REPEATS, REPEATS, error_text, progress
+from .common import (
+    COOLDOWN_S,
+    EAGER_MAX_CALLS,
+    EAGER_REPEATS,
+    HEAVY_M,
+    REPEATS,
+    error_text,
+    progress,
+)
 from .peers import Impl, make_impls
 
 SCHEMA = "kbit_cute.perf/1"
@@ -138,6 +147,7 @@ def estimate_seconds(shapes, impls, Ms, read_gbs=3000.0, tflops=650.0, l2=50 * 2
     for spec in shapes:
         K, N = spec.K, spec.N
         for impl in impls:
+            total += COOLDOWN_S * (max(Ms) >= HEAVY_M > min(Ms))  # (run_gemm)
             wb = _weight_bytes(impl, K, N)
             n = max(2, math.ceil(4 * l2 / wb) + 1)
             total += n * wb / (read_gbs * 1e9) * 2 + 0.002 * n * (impl.name == "gemlite")
@@ -184,6 +194,7 @@ def run_gemm(args, timer) -> dict:
     fatal: str | None = None
     bar = progress(len(shapes) * len(impls) * len(Ms), "gemm")
     gen = torch.Generator(device=device).manual_seed(args.seed)
+    last_M = 0  # M of the point timed last
     try:
         for spec in shapes:
             try:
@@ -224,6 +235,9 @@ def run_gemm(args, timer) -> dict:
                         results.append(_record(spec, impl, M, "skipped", error=stop))
                         bar.update()
                         continue
+                    if last_M >= HEAVY_M > M:  # out of the power cap first (perf/common.py)
+                        timer.cool_down()
+                    last_M = M
                     results.append(_time_point(spec, impl, M, As[M], timer, dtype))
                     if results[-1]["status"] == "failed":
                         fatal = fatal or _context_lost(timer, results[-1]["error"])

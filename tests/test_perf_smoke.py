@@ -147,6 +147,29 @@ def test_gemm_budget_skips_and_still_reports(tmp_path):
     assert all("budget" in r["error"] for r in run["results"])
 
 
+def test_gemm_cools_down_before_small_m_after_large_m(tmp_path, monkeypatch):
+    """A point of M < HEAVY_M right after one of M >= HEAVY_M (the next implementation's
+    first M) waits for the GPU to leave its power cap; nothing else waits."""
+    from perf import common
+    from perf import gemm as gemm_sweep
+
+    monkeypatch.setattr(gemm_sweep, "HEAVY_M", 4)  # (the CPU smoke run stops at M = 64)
+    order = []
+    monkeypatch.setattr(common.CpuSmokeTimer, "cool_down", lambda self: order.append("cool"))
+    real = common.CpuSmokeTimer.time_calls
+
+    def time_calls(self, fns):
+        order.append("point")
+        return real(self, fns)
+
+    monkeypatch.setattr(common.CpuSmokeTimer, "time_calls", time_calls)
+    rc = main(["gemm", "--cpu-smoke", "--shape", "64x64", "--m", "1", "4",
+               "--k", "2", "--peers", "--no-plots", "--out", str(tmp_path)])  # fmt: skip
+    assert rc == 0
+    # cuBLAS M = 1, 4; pause; kbit k = 2 M = 1, 4
+    assert order == ["point", "point", "cool", "point", "point"]
+
+
 def test_decode_smoke(tmp_path):
     rc = main(["decode", "--cpu-smoke", "--model", "llama3-8b", "qwen3-coder-next", "--k", "4",
                "--batch", "1", "3", "--moe", "loop", "--out", str(tmp_path)])  # fmt: skip
