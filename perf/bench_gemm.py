@@ -43,7 +43,7 @@ from kbit_cute import gemm_dispatch as gd
 from kbit_cute.device import device_props
 from kbit_cute.kernels.gemm import GemmConfig, GemmKernel, gemm_spec, table_rows
 
-from .common import copies_for, graph_time_us, read_bandwidth_gbs, tensor_tflops
+from .common import PowerCapPause, copies_for, graph_time_us, read_bandwidth_gbs, tensor_tflops
 
 SHAPES = [(4096, 14336), (14336, 4096), (8192, 28672), (2048, 10240), (10240, 2048)]
 # --tune's default: the shapes plus a second weight larger than the L2, so that both
@@ -181,6 +181,9 @@ def tune(
     if not table_only:
         compile_candidates(ks, buckets, props, jobs, log)
     records = []
+    # (each k starts again at small M after the largest: the first candidates timed there
+    # would run under the power cap, and the tune would pick against them)
+    power_cap = PowerCapPause()
     for K, N in shapes:
         b = Bench(K, N, ks)
         for k in ks:
@@ -189,6 +192,7 @@ def tune(
                     continue
                 over_l2 = gd.weight_over_l2(N, K, k, props.l2_bytes)
                 for M in Ms:
+                    power_cap.before(M)
                     t_dq = b.dequant_cublas(M, k)
                     base = dict(K=K, N=N, k=k, M=M, m_max=m_max, over_l2=over_l2)
                     records.append(dict(base, impl="dequant_cublas", us=t_dq))

@@ -44,7 +44,8 @@ ROTATION = 4  # copies span > ROTATION x L2
 # Compute-bound points (large M) drive the H100 into its 700 W power cap: the SM clock falls to
 # ~1.2-1.4 GHz and stays there ~0.5 s after they end. Issue-bound points timed in that window
 # (the GEMV at k = 2, 3, 5) ran up to 40% slow (perf/NOTES.md, session 18), so a sweep pauses
-# COOLDOWN_S before a point of M < HEAVY_M that follows one of M >= HEAVY_M.
+# COOLDOWN_S before a point of M < HEAVY_M rows that follows one of M >= HEAVY_M
+# (``PowerCapPause``).
 COOLDOWN_S = 1.0
 HEAVY_M = 256
 
@@ -139,6 +140,25 @@ def graph_time_us(make_call, n_copies: int, repeats: int = REPEATS) -> float:
     return cuda_graph_us(calls, repeats)
 
 
+def cool_down() -> None:
+    """Let the GPU leave its power cap before a memory-bound point (``COOLDOWN_S``)."""
+    torch.cuda.synchronize()
+    time.sleep(COOLDOWN_S)
+
+
+class PowerCapPause:
+    """Call ``before(rows)`` before timing each point of a sweep: it pauses (``pause``, e.g. a
+    timer's ``cool_down``) when a point of fewer than HEAVY_M rows follows one of more."""
+
+    def __init__(self, pause: Callable[[], None] = cool_down):
+        self.pause, self.last = pause, 0
+
+    def before(self, rows: int) -> None:
+        if self.last >= HEAVY_M > rows:
+            self.pause()
+        self.last = rows
+
+
 def read_bandwidth_gbs() -> float:
     """Measured HBM read bandwidth: a 1 GiB fp32 ``.sum()``, median of 7."""
     x = torch.randn(2**28, device="cuda")
@@ -214,9 +234,7 @@ class CudaTimer:
         torch.cuda.synchronize()
 
     def cool_down(self) -> None:
-        """Let the GPU leave its power cap before a memory-bound point (``COOLDOWN_S``)."""
-        torch.cuda.synchronize()
-        time.sleep(COOLDOWN_S)
+        cool_down()
 
 
 # ----------------------------------------------------------------------------- CPU smoke

@@ -34,6 +34,7 @@ from .common import (
     EAGER_REPEATS,
     HEAVY_M,
     REPEATS,
+    PowerCapPause,
     error_text,
     progress,
 )
@@ -194,7 +195,7 @@ def run_gemm(args, timer) -> dict:
     fatal: str | None = None
     bar = progress(len(shapes) * len(impls) * len(Ms), "gemm")
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    last_M = 0  # M of the point timed last
+    power_cap = PowerCapPause(timer.cool_down)
     try:
         for spec in shapes:
             try:
@@ -235,9 +236,7 @@ def run_gemm(args, timer) -> dict:
                         results.append(_record(spec, impl, M, "skipped", error=stop))
                         bar.update()
                         continue
-                    if last_M >= HEAVY_M > M:  # out of the power cap first (perf/common.py)
-                        timer.cool_down()
-                    last_M = M
+                    power_cap.before(M)
                     results.append(_time_point(spec, impl, M, As[M], timer, dtype))
                     if results[-1]["status"] == "failed":
                         fatal = fatal or _context_lost(timer, results[-1]["error"])

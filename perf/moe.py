@@ -56,7 +56,14 @@ import torch.nn.functional as F
 from kbit_cute.moe import sort_by_expert
 
 from . import models
-from .common import CALLS_PER_GRAPH, environment, error_text, progress, refresh_versions
+from .common import (
+    CALLS_PER_GRAPH,
+    PowerCapPause,
+    environment,
+    error_text,
+    progress,
+    refresh_versions,
+)
 from .gemm import DTYPES, _context_lost, _over_budget
 from .peers import Impl
 from .tables import STATUS_SHORT, fmt, md_table, run_header
@@ -510,6 +517,7 @@ def run_moe(args, timer) -> dict:
     t0 = time.perf_counter()
     fatal: str | None = None
     bar = progress(len(specs) * len(impls) * len(ts), "moe")
+    power_cap = PowerCapPause(timer.cool_down)
     try:
         with torch.no_grad():
             for mi, spec in enumerate(specs):
@@ -529,7 +537,7 @@ def run_moe(args, timer) -> dict:
                             bar.update()
                         continue
                     fatal = _run_impl(spec, impl, w, ts, pools, why_not, timer, args, t0,
-                                      results, bar, fatal)  # fmt: skip
+                                      results, bar, fatal, power_cap)  # fmt: skip
                 del w, pools
                 _free(timer)
     except KeyboardInterrupt:
@@ -564,9 +572,10 @@ def run_moe(args, timer) -> dict:
     }
 
 
-def _run_impl(spec, impl, w, ts, pools, why_not, timer, args, t0, results, bar, fatal):
+def _run_impl(spec, impl, w, ts, pools, why_not, timer, args, t0, results, bar, fatal, power_cap):
     """Prepare one implementation's copies, time it at every T, free them. Returns the fatal
-    reason (lost CUDA context) that stops the run, or None."""
+    reason (lost CUDA context) that stops the run, or None. ``power_cap``: the sweep's
+    ``PowerCapPause`` (T tokens count as its rows)."""
     stop = fatal or _over_budget(args.budget_s, t0)
     if why_not[impl.key] or stop:
         status = "unavailable" if why_not[impl.key] else "skipped"
@@ -590,6 +599,7 @@ def _run_impl(spec, impl, w, ts, pools, why_not, timer, args, t0, results, bar, 
         if stop:
             results.append(_record(spec, impl, T, "skipped", error=stop))
         else:
+            power_cap.before(T)
             results.append(_time_point(spec, impl, T, pools[T], timer))
             if results[-1]["status"] == "failed":
                 fatal = _context_lost(timer, results[-1]["error"])

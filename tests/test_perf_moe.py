@@ -20,6 +20,18 @@ def run_smoke(tmp_path, *extra):
     return rc, json.loads((out / "moe.json").read_text()), out
 
 
+def test_moe_pauses_before_a_light_point_after_a_heavy_one(tmp_path, monkeypatch):
+    """Each implementation's first T follows the previous one's largest: with T = 3 made
+    "heavy", every implementation after the first pauses once before T = 1."""
+    pauses = []
+    monkeypatch.setattr(common, "HEAVY_M", 3)
+    monkeypatch.setattr(common.CpuSmokeTimer, "cool_down", lambda self: pauses.append(1))
+    rc, run, _ = run_smoke(tmp_path, "--model", "qwen3-coder-next")
+    assert rc == 0
+    impls = {(r["impl"], r["k"]) for r in run["results"]}
+    assert len(pauses) == len(impls) - 1 > 0
+
+
 def test_moe_smoke_every_path(tmp_path):
     rc, run, out = run_smoke(tmp_path)
     assert rc == 0 and run["kind"] == "moe" and run["aborted"] is None

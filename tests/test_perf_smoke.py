@@ -151,9 +151,8 @@ def test_gemm_cools_down_before_small_m_after_large_m(tmp_path, monkeypatch):
     """A point of M < HEAVY_M right after one of M >= HEAVY_M (the next implementation's
     first M) waits for the GPU to leave its power cap; nothing else waits."""
     from perf import common
-    from perf import gemm as gemm_sweep
 
-    monkeypatch.setattr(gemm_sweep, "HEAVY_M", 4)  # (the CPU smoke run stops at M = 64)
+    monkeypatch.setattr(common, "HEAVY_M", 4)  # (the CPU smoke run stops at M = 64)
     order = []
     monkeypatch.setattr(common.CpuSmokeTimer, "cool_down", lambda self: order.append("cool"))
     real = common.CpuSmokeTimer.time_calls
@@ -168,6 +167,20 @@ def test_gemm_cools_down_before_small_m_after_large_m(tmp_path, monkeypatch):
     assert rc == 0
     # cuBLAS M = 1, 4; pause; kbit k = 2 M = 1, 4
     assert order == ["point", "point", "cool", "point", "point"]
+
+
+def test_power_cap_pause_only_from_heavy_to_light():
+    from perf.common import HEAVY_M, PowerCapPause
+
+    paused = []
+    guard = PowerCapPause(lambda: paused.append(True))
+    rows = [1, 64, HEAVY_M, 4096, 1, 4, HEAVY_M, HEAVY_M - 1, HEAVY_M - 1]
+    seen = []
+    for r in rows:
+        n = len(paused)
+        guard.before(r)
+        seen.append(len(paused) > n)
+    assert seen == [False, False, False, False, True, False, False, True, False]
 
 
 def test_decode_smoke(tmp_path):
