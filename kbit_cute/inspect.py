@@ -6,6 +6,14 @@ memory, stack frame, spill instructions (LDL/STL) and counts of the SASS
 classes that tell whether a kernel is on its fast path (LDG.E.128, LDGSTS,
 LDSM, HMMA, SHFL, STG.E.128). Exits 1 when a variant spills or lacks a class
 it declares in its ``KernelSpec.expect``; CI runs it for sm_90a and sm_80.
+
+It also counts the SASS of one iteration of the kernel's innermost loop that
+issues tensor-core instructions (``loop_mix``: the K loop of the GEMV and the
+GEMM mainloop), by the pipe each instruction occupies. The dequantizing kernels
+are bound by the issue slots, the integer ALU pipe (half rate) and the
+shared-memory pipe (perf/NOTES.md, session 18), so these counts predict a
+change's effect before any GPU time: ``loop`` and ``loop_alu`` in the table,
+the whole mix with ``--loops``.
 """
 
 from __future__ import annotations
@@ -98,6 +106,53 @@ def sass_counts(sass: str) -> dict[str, int]:
     return counts
 
 
+# The pipe a SASS instruction occupies (Hopper/Ampere): the integer ALU pipe issues a warp
+# instruction every 2 cycles per scheduler, the FMA pipe every cycle (IMAD: 2), the
+# shared-memory (MIO) pipe serves about one wavefront per SM cycle.
+_ALU = {"LOP3", "PRMT", "SHF", "LEA", "IADD3", "ISETP", "SEL", "VIADD", "VIMNMX", "VIADDMNMX",
+        "IMNMX", "MOV", "BMSK", "SGXT", "FLO", "POPC", "PLOP3", "P2R", "R2P", "IABS"}  # fmt: skip
+_FMA = {"IMAD", "HMUL2", "HFMA2", "HADD2", "FFMA", "FMUL", "FADD", "HMNMX2", "FMNMX"}
+_MIO = {"LDS", "STS", "LDSM", "SHFL", "LDGSTS", "LDC", "ATOMS", "UBLKCP", "SYNCS"}
+_MMA = {"HMMA", "HGMMA"}
+_LINE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)$")
+_LABEL = re.compile(r"^(\.L_x_\d+):")
+
+
+def loop_mix(sass: str) -> dict[str, int]:
+    """Instructions of one iteration of the innermost loop (a label and a later branch back
+    to it) that holds HMMA/HGMMA, by pipe: {"loop", "alu", "fma", "mio", "mma", "uniform",
+    "other"}; all zero if no loop issues tensor-core instructions. Blocks that a forward
+    branch may skip inside the loop (e.g. a ring refill) count as taken."""
+    labels: dict[str, int] = {}
+    ops: list[tuple[int, str, str]] = []  # (line, base opcode, operands)
+    for i, line in enumerate(sass.splitlines()):
+        if m := _LABEL.match(line):
+            labels[m.group(1)] = i
+        elif m := _LINE.match(line):
+            ops.append((i, m.group(1).split(".")[0], m.group(2)))
+    loops = []
+    for i, op, rest in ops:
+        target = re.search(r"\((\.L_x_\d+)\)", rest) if op == "BRA" else None
+        if target and labels.get(target.group(1), i) < i:
+            body = [o for j, o, _ in ops if labels[target.group(1)] < j <= i]
+            if any(o in _MMA for o in body):
+                loops.append(body)
+    mix = dict.fromkeys(("loop", "alu", "fma", "mio", "mma", "uniform", "other"), 0)
+    if loops:
+        body = min(loops, key=len)
+        mix["loop"] = len(body)
+        for o in body:
+            mix[_pipe(o)] += 1
+    return mix
+
+
+def _pipe(op: str) -> str:
+    for pipe, ops in (("alu", _ALU), ("fma", _FMA), ("mio", _MIO), ("mma", _MMA)):
+        if op in ops:
+            return pipe
+    return "uniform" if op.startswith("U") else "other"
+
+
 def embedded_cubin(obj: bytes) -> bytes:
     """The cubin inside the host object written by ``export_to_c`` (the second ELF in it)."""
     start = obj.find(b"\x7fELF", 1)
@@ -138,6 +193,7 @@ def inspect_variant(name: str) -> dict:
             f.write(sass)
     arch = re.search(r"\.target\s+(sm_\w+)", sass)
     row = {"variant": name, **cubin_resources(data), **sass_counts(sass)}
+    row.update({f"loop_{k}" if k != "loop" else k: v for k, v in loop_mix(sass).items()})
     row["arch"] = arch.group(1) if arch else "?"
     missing = [c for c in spec.expect if row.get(c, 0) == 0]
     row["missing"] = ",".join(missing)
@@ -170,11 +226,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=max(1, min(8, os.cpu_count() or 1)))
     p.add_argument("--only", help="regex: only variants whose name matches")
     p.add_argument("--sass", metavar="DIR", help="also write each variant's SASS to DIR")
+    p.add_argument("--loops", action="store_true",
+                   help="the whole pipe mix of each variant's MMA loop iteration")  # fmt: skip
     args = p.parse_args(argv)
     if args.sass:
         os.environ["KBIT_CUTE_SASS_DIR"] = os.path.abspath(args.sass)  # workers inherit it
     rows = run_report(args.arch, args.jobs, args.only)
-    cols = ["variant", "arch", "regs", "smem", "stack", "spill_ops", *COUNTED, "missing", "ok"]
+    cols = ["variant", "arch", "regs", "smem", "stack", "spill_ops", *COUNTED, "loop",
+            "loop_alu", "missing", "ok"]  # fmt: skip
+    if args.loops:
+        cols[-2:-2] = ["loop_fma", "loop_mio", "loop_mma", "loop_uniform", "loop_other"]
     print(f"kbit_cute kernels, compile-only, {args.arch}")
     print(tabulate([[r[c] for c in cols] for r in rows], headers=cols, tablefmt="github"))
     bad = [r["variant"] for r in rows if not r["ok"]]

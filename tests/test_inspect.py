@@ -24,6 +24,35 @@ def test_sass_counts_parses_classes():
     assert c["LDSM"] == 0 and c["STG.E.128"] == 0 and c["spill_ops"] == 1
 
 
+LOOPS = """
+.L_x_0:
+        /*0000*/                   LDS R2, [R3] ;
+.L_x_1:
+        /*0010*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R24+URZ], R7 ;
+        /*0020*/              @!P0 BRA `(.L_x_1) ;
+.L_x_2:
+        /*0030*/                   LDS.64 R4, [R5] ;
+        /*0040*/                   PRMT R6, R4, 0x5410, R5 ;
+        /*0050*/               @P1 BRA `(.L_x_3) ;
+        /*0060*/                   LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64] ;
+.L_x_3:
+        /*0070*/                   UIADD3 UR4, UR4, 0x1, URZ ;
+        /*0080*/                   HMUL2 R6, R6, R8 ;
+        /*0090*/                   LOP3.LUT R9, R9, 0x3, RZ, 0xc0, !PT ;
+        /*00a0*/                   HMMA.16816.F32 R12, R16, R6, R12 ;
+        /*00b0*/              @!P2 BRA `(.L_x_2) ;
+        /*00c0*/                   HMMA.16816.F32 R12, R16, R6, R12 ;
+        /*00d0*/              @!P3 BRA `(.L_x_0) ;
+"""
+
+
+def test_loop_mix_counts_the_innermost_mma_loop_by_pipe():
+    # .L_x_2's loop, not the wait loop (no MMA) nor the outer one; the refill block counts.
+    m = kinspect.loop_mix(LOOPS)
+    assert m == {"loop": 9, "alu": 2, "fma": 1, "mio": 2, "mma": 1, "uniform": 1, "other": 2}
+    assert kinspect.loop_mix(SASS)["loop"] == 0  # no loop at all
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 def test_every_variant_passes_the_gate(arch):
     rows = kinspect.run_report(arch, jobs=max(1, min(4, os.cpu_count() or 1)))
