@@ -94,8 +94,12 @@ def cubin_resources(data: bytes) -> dict[str, int]:
     return {"regs": regs, "smem": smem, "stack": stack}
 
 
+# One SASS instruction line: address comment, optional predicate, opcode (group 1), operands.
+_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)$", re.M)
+
+
 def sass_counts(sass: str) -> dict[str, int]:
-    ops = re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
+    ops = [m.group(1) for m in _INSTRUCTION.finditer(sass)]
     base = [op.split(".")[0] for op in ops]
     classes = ("LDGSTS", "LDSM", "HMMA", "HGMMA", "SHFL")
     counts = {c: sum(1 for b in base if b == c) for c in classes}
@@ -112,9 +116,8 @@ def sass_counts(sass: str) -> dict[str, int]:
 _ALU = {"LOP3", "PRMT", "SHF", "LEA", "IADD3", "ISETP", "SEL", "VIADD", "VIMNMX", "VIADDMNMX",
         "IMNMX", "MOV", "BMSK", "SGXT", "FLO", "POPC", "PLOP3", "P2R", "R2P", "IABS"}  # fmt: skip
 _FMA = {"IMAD", "HMUL2", "HFMA2", "HADD2", "FFMA", "FMUL", "FADD", "HMNMX2", "FMNMX"}
-_MIO = {"LDS", "STS", "LDSM", "SHFL", "LDGSTS", "LDC", "ATOMS", "UBLKCP", "SYNCS"}
+_MIO = {"LDS", "STS", "LDSM", "SHFL", "LDGSTS", "LDC", "ATOMS"}
 _MMA = {"HMMA", "HGMMA"}
-_LINE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)$")
 _LABEL = re.compile(r"^(\.L_x_\d+):")
 
 
@@ -128,7 +131,7 @@ def loop_mix(sass: str) -> dict[str, int]:
     for i, line in enumerate(sass.splitlines()):
         if m := _LABEL.match(line):
             labels[m.group(1)] = i
-        elif m := _LINE.match(line):
+        elif m := _INSTRUCTION.match(line):
             ops.append((i, m.group(1).split(".")[0], m.group(2)))
     loops = []
     for i, op, rest in ops:
