@@ -345,6 +345,8 @@ def _launch(
     gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, max_rows, out, E,
     splits=None, stages=None, overlap=False, kernel=None, min_run=None, cluster=None,
 ):  # fmt: skip
+    from .kernels.gemv import MAX_A_BYTES
+
     dev = A.get_device()
     props = _device.check_device(dev)
     R = A.shape[0]
@@ -355,6 +357,13 @@ def _launch(
         kernel = "grid"
     if kernel is None:
         kernel = _choose_kernel(k, stream_slots_bound, min(E, R), R, N)
+        if A.numel() * A.element_size() >= MAX_A_BYTES:
+            kernel = "gemm"
+    elif kernel != "gemm" and A.numel() * A.element_size() >= MAX_A_BYTES:
+        raise ValueError(
+            f"A holds {A.numel() * A.element_size()} bytes: the {kernel} kernel addresses at "
+            f"most {MAX_A_BYTES} (32-bit offsets); use the gemm kernel"
+        )
     if kernel == "gemm":
         _launch_gemm(gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, out, E)
         return

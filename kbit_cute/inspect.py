@@ -122,24 +122,27 @@ _LABEL = re.compile(r"^(\.L_x_\d+):")
 
 
 def loop_mix(sass: str) -> dict[str, int]:
-    """Instructions of one iteration of the innermost loop (a label and a later branch back
-    to it) that holds HMMA/HGMMA, by pipe: {"loop", "alu", "fma", "mio", "mma", "uniform",
-    "other"}; all zero if no loop issues tensor-core instructions. Blocks that a forward
-    branch may skip inside the loop (e.g. a ring refill) count as taken."""
-    labels: dict[str, int] = {}
-    ops: list[tuple[int, str, str]] = []  # (line, base opcode, operands)
-    for i, line in enumerate(sass.splitlines()):
-        if m := _LABEL.match(line):
-            labels[m.group(1)] = i
-        elif m := _INSTRUCTION.match(line):
-            ops.append((i, m.group(1).split(".")[0], m.group(2)))
+    """Instructions of one iteration of the innermost loop that holds HMMA/HGMMA, by pipe:
+    {"loop", "alu", "fma", "mio", "mma", "uniform", "other"}; all zero if no loop issues
+    tensor-core instructions. The loop is the natural loop of a branch back to a label: every
+    block that reaches the branch without passing the label, so blocks that ptxas placed
+    outside the label..branch range (e.g. a ring refill it moved above the loop) count too,
+    and a block that a forward branch may skip counts as taken."""
+    blocks = _basic_blocks(sass)
     loops = []
-    for i, op, rest in ops:
-        target = re.search(r"\((\.L_x_\d+)\)", rest) if op == "BRA" else None
-        if target and labels.get(target.group(1), i) < i:
-            body = [o for j, o, _ in ops if labels[target.group(1)] < j <= i]
-            if any(o in _MMA for o in body):
-                loops.append(body)
+    for tail, block in enumerate(blocks):
+        for head in block["succ"]:
+            if head <= tail:  # a back edge: the loop is what reaches ``tail`` avoiding ``head``
+                body, todo = {head, tail}, [tail]
+                while todo:
+                    b = todo.pop()
+                    for pred in blocks[b]["pred"]:
+                        if pred not in body:
+                            body.add(pred)
+                            todo.append(pred)
+                ops = [o for b in sorted(body) for o in blocks[b]["ops"]]
+                if any(o in _MMA for o in ops):
+                    loops.append(ops)
     mix = dict.fromkeys(("loop", "alu", "fma", "mio", "mma", "uniform", "other"), 0)
     if loops:
         body = min(loops, key=len)
@@ -147,6 +150,37 @@ def loop_mix(sass: str) -> dict[str, int]:
         for o in body:
             mix[_pipe(o)] += 1
     return mix
+
+
+def _basic_blocks(sass: str) -> list[dict]:
+    """SASS -> basic blocks [{"ops": base opcodes, "succ": [block], "pred": [block]}]: a block
+    starts at a label or after a branch; an unpredicated BRA (or EXIT) does not fall through."""
+    blocks: list[dict] = [{"ops": [], "label": None, "branch": None}]
+    for line in sass.splitlines():
+        if m := _LABEL.match(line):
+            if blocks[-1]["ops"] or blocks[-1]["label"]:
+                blocks.append({"ops": [], "label": None, "branch": None})
+            blocks[-1]["label"] = m.group(1)
+        elif m := _INSTRUCTION.match(line):
+            op = m.group(1).split(".")[0]
+            blocks[-1]["ops"].append(op)
+            if op in ("BRA", "EXIT"):
+                target = re.search(r"\((\.L_x_\d+)\)", m.group(2))
+                predicated = re.match(r"^\s*/\*[0-9a-f]+\*/\s+@", line) is not None
+                blocks[-1]["branch"] = (target.group(1) if target else None, predicated)
+                blocks.append({"ops": [], "label": None, "branch": None})
+    at = {b["label"]: i for i, b in enumerate(blocks) if b["label"]}
+    for i, b in enumerate(blocks):
+        b["succ"], b["pred"] = [], []
+        target, predicated = b["branch"] or (None, True)
+        if target in at:
+            b["succ"].append(at[target])
+        if predicated and i + 1 < len(blocks):
+            b["succ"].append(i + 1)
+    for i, b in enumerate(blocks):
+        for j in b["succ"]:
+            blocks[j]["pred"].append(i)
+    return blocks
 
 
 def _pipe(op: str) -> str:

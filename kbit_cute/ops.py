@@ -300,6 +300,7 @@ def kernel_grid(kernel, N: int, K: int, sm_count: int, workers: int | None = Non
     given, as many splits as fit the resident quads (one wave; the kernel's CTAs per SM
     come from its CTA size, registers and shared memory)."""
     from .kernels.device_helpers import check_run_bounds
+    from .kernels.gemv import MAX_A_BYTES
 
     slots = sm_count * kernel.ctas_per_sm
     n_tiles = -(-N // 128)
@@ -321,6 +322,8 @@ def kernel_grid(kernel, N: int, K: int, sm_count: int, workers: int | None = Non
         ctas = max(fewest, min(workers, slots))
     # Every quad computes its run bounds, idle ones too (worker index up to ctas x quads).
     check_run_bounds(units, ctas * kernel.quads)
+    if kernel.m * K * 2 >= MAX_A_BYTES:
+        raise ValueError(f"K={K}: {kernel.m} activation rows exceed the GEMV's 32-bit offsets")
     return workers, ctas
 
 

@@ -46,11 +46,30 @@ LOOPS = """
 """
 
 
+# ptxas may place a block of the loop above its first label (here the refill at .L_x_1,
+# entered from the loop and leaving back into it).
+OUTLINED = """
+        /*0000*/                   BRA `(.L_x_2) ;
+.L_x_1:
+        /*0010*/                   LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64] ;
+        /*0020*/                   BRA `(.L_x_3) ;
+.L_x_2:
+        /*0030*/                   LDS.64 R4, [R5] ;
+        /*0040*/               @P1 BRA `(.L_x_1) ;
+.L_x_3:
+        /*0050*/                   HMMA.16816.F32 R12, R16, R6, R12 ;
+        /*0060*/              @!P2 BRA `(.L_x_2) ;
+        /*0070*/                   EXIT ;
+"""
+
+
 def test_loop_mix_counts_the_innermost_mma_loop_by_pipe():
     # .L_x_2's loop, not the wait loop (no MMA) nor the outer one; the refill block counts.
     m = kinspect.loop_mix(LOOPS)
     assert m == {"loop": 9, "alu": 2, "fma": 1, "mio": 2, "mma": 1, "uniform": 1, "other": 2}
     assert kinspect.loop_mix(SASS)["loop"] == 0  # no loop at all
+    m = kinspect.loop_mix(OUTLINED)  # the refill above the loop's label counts too
+    assert m == {"loop": 6, "alu": 0, "fma": 0, "mio": 2, "mma": 1, "uniform": 0, "other": 3}
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])

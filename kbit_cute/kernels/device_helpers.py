@@ -395,6 +395,22 @@ def g2s_copy_atom(dtype: type[cutlass.Numeric], through_l1: bool = False):
     )
 
 
+def cp_async_chunk(dst: cute.Pointer, src_addr: Int64, through_l1: bool = False, fill=None):
+    """One 16-byte cp.async from the global byte address ``src_addr`` to shared ``dst``.
+
+    A kernel's K loop carries its copies' source addresses and adds one stride per tile:
+    recomputing them from the tile index (what ``cute.copy`` on a tensor slice compiles to)
+    cost the GEMV ~25 instructions per tile. ``fill`` (Int32): where zero, write 16 zero
+    bytes and read nothing (cp.async's src-size 0), e.g. activations past K."""
+    mode = "ca" if through_l1 else "cg"
+    size = Int32(16) if fill is None else Int32(16) * Int32(fill != 0)
+    llvm.inline_asm(
+        None, [Uint32(dst.toint()).ir_value(), Int64(src_addr).ir_value(), size.ir_value()],
+        f"cp.async.{mode}.shared.global.L2::128B [$0], [$1], 16, $2;", "r,l,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    )  # fmt: skip
+
+
 def prefetch_l2(ptr: cute.Pointer, nbytes) -> None:
     """Start pulling ``nbytes`` of global memory at ``ptr`` into L2 (sm_90 bulk prefetch:
     16-byte aligned, a multiple of 16 bytes). Nothing is held or waited for; the data is

@@ -9,7 +9,7 @@ more than M = 1. What is left per weight is the dequantization into fp16/bf16 pa
 
 * each warp streams its 32 columns' K tiles (plane words, absmax, activation rows) through
   its own shared-memory ring with cp.async, a few tiles ahead, syncing only with itself:
-  bytes in flight cost no registers (``copy_tile`` / ``read_tile``);
+  bytes in flight cost no registers (``copy_from`` / ``read_tile``);
 * a thread owns 16 consecutive K of one 32-weight block for 4 columns (two mma row
   tiles); it reads the columns' bit-plane words from the ring, picks its 16-bit half of
   each plane and merges the planes into index fields SWAR-style (``planes_to_fields``);
@@ -47,7 +47,7 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.memory import SmemAllocator
 
 from ..format import BLOCK, BLOCKS_PER_TILE_K, TILE_K, TILE_N
@@ -60,8 +60,8 @@ from .device_helpers import (
     codebook_pair_lane,
     codebook_x2_lane,
     codebook_x2_pairs,
+    cp_async_chunk,
     field_bits,
-    g2s_copy_atom,
     mul_x2,
     pair_selector,
     planes_to_fields,
@@ -103,8 +103,12 @@ CHUNK_WORDS = 4  # one cp.async moves 16 bytes
 # Partials a lane loads per round of the split-K reduction (``reduce_strip``): each round is
 # an L2 round trip, so rows x workers per round as large as registers allow.
 REDUCE_LOADS = 32
+# The copies address activations by 32-bit byte offsets (``copy_sources``): A (all of its
+# rows, in the grouped kernels) must be smaller.
+MAX_A_BYTES = 1 << 32
 ABSMAX_WORDS = WARP_COLS * BLOCKS_PER_TILE_K // 4  # a warp's absmax bytes of a K tile
 A_ROW_WORDS = TILE_K // 2  # one activation row of a K tile (16-bit values)
+A_ROW_CHUNKS = A_ROW_WORDS // 4  # its 16-byte copies (8 activations each)
 
 
 def gemv_mma(dtype: type[cutlass.Numeric]):
@@ -362,7 +366,9 @@ class GemvKernel:
         tiles ``run`` = (first, end)), if the warp has a worker (``busy``)."""
         if busy:
             warp_ring, cols = self.warp_ring(ring, col0)
-            self.issue_prologue(mA, mW, mS, cols, rows, run[0], run[1], warp_ring)
+            src = self.copy_sources(mA, mW, mS, cols, rows, run[0])
+            prologue = (src, len(cols), rows, run[0], run[1], warp_ring, self.activation_tiles(mA))
+            self.issue_prologue(mA, mW, mS, *prologue)
 
     @cute.jit
     def prefetch_first_tiles(self, mW, mS, pCodebook, nt, u_begin, u_end, k_tiles):
@@ -496,25 +502,32 @@ class GemvKernel:
         S, sw = self.stages, self.stage_words()
         g = cute.arch.lane_idx() // 4
         warp_ring, cols = self.warp_ring(ring, col0, second)
+        # The copies' sources, one add per address and tile: at the loop, S - 1 tiles ahead.
+        src = self.copy_sources(mA, mW, mS, cols, rows, kt_begin)
+        a_tiles = self.activation_tiles(mA)
+        prologue = (mA, mW, mS, src, len(cols), rows, kt_begin, kt_end, warp_ring, a_tiles)
         if cutlass.const_expr(primed is None):
-            self.issue_prologue(mA, mW, mS, cols, rows, kt_begin, kt_end, warp_ring)
+            self.issue_prologue(*prologue)
         else:
             if primed == 0:
-                self.issue_prologue(mA, mW, mS, cols, rows, kt_begin, kt_end, warp_ring)
-        read = Int32(0)
+                self.issue_prologue(*prologue)
+            else:
+                for _ in cutlass.range_constexpr(S - 1):
+                    self.advance_sources(src, mW, mS)
+        read, write = Int32(0), Int32(S - 1)
         for kt in cutlass.range(kt_begin, kt_end, unroll=1):
             cute.arch.cp_async_wait_group(S - 2)
             cute.arch.sync_warp()  # every lane's copies of stage ``read`` have landed
             self.read_tile(warp_ring + cute.assume(read * sw, divby=CHUNK_WORDS), g, t, rows, buf)
-            # The stage read last step is free: every lane passed the sync_warp above.
-            write = read + (S - 1)
-            if write >= S:
-                write = write - S
             if kt + S - 1 < kt_end:
                 dst = warp_ring + cute.assume(write * sw, divby=CHUNK_WORDS)
-                self.copy_tile(mA, mW, mS, cols, rows, kt + S - 1, dst)
+                self.copy_from(mA, mS, src, len(cols), rows, kt + S - 1, dst, a_tiles)
+            self.advance_sources(src, mW, mS)
             cute.arch.cp_async_commit_group()
             self.mma_tile(buf, codebook, half_select, atom, frag_a, frag_b, acc)
+            # The next step refills the stage read in this one, after its sync_warp: every
+            # lane has read it by then.
+            write = read
             read = read + 1
             if read == S:
                 read = Int32(0)
@@ -523,7 +536,7 @@ class GemvKernel:
 
     def warp_ring(self, ring, col0, second=None):
         """(The warp's ring in ``ring``, [(column in tile, tile)] of its first column, or of
-        its two runs of 16 with ``second``): what ``copy_tile`` takes."""
+        its two runs of 16 with ``second``): what ``copy_sources`` takes."""
         S, sw = self.stages, self.stage_words()
         warp_ring = ring.iterator + cute.assume(cute.arch.warp_idx() * (S * sw), divby=CHUNK_WORDS)
         wcol = col0 - cute.arch.lane_idx() // 4  # the warp's first column, 16-aligned
@@ -533,14 +546,17 @@ class GemvKernel:
         return warp_ring, cols
 
     @cute.jit
-    def issue_prologue(self, mA, mW, mS, cols, rows, kt_begin, kt_end, warp_ring):
+    def issue_prologue(self, mA, mW, mS, src, runs, rows, kt_begin, kt_end, warp_ring, a_tiles):
         """Copies of the run's first stages - 1 K tiles into the warp's ring (one commit
-        group each, empty past the run)."""
+        group each, empty past the run), from ``copy_sources`` ``src`` of tile ``kt_begin``,
+        which it advances past them."""
         sw = self.stage_words()
         for s in cutlass.range_constexpr(self.stages - 1):
             if kt_begin + s < kt_end:
-                self.copy_tile(mA, mW, mS, cols, rows, kt_begin + s, warp_ring + s * sw)
+                dst = warp_ring + s * sw
+                self.copy_from(mA, mS, src, runs, rows, kt_begin + s, dst, a_tiles)
             cute.arch.cp_async_commit_group()
+            self.advance_sources(src, mW, mS)
 
     def make_buffers(self):
         """Registers of one K tile: the words of the thread's 4 columns' block, their absmax
@@ -554,63 +570,93 @@ class GemvKernel:
             activations,
         )
 
+    def copy_counts(self) -> tuple[int, int]:
+        """16-byte chunks of one ring stage: (plane words, activations); absmax: 4."""
+        return WARP_COLS * BLOCKS_PER_TILE_K * self.k // CHUNK_WORDS, self.m * A_ROW_CHUNKS
+
     @cute.jit
-    def copy_tile(self, mA, mW, mS, cols, rows, kt, dst):
-        """cp.async of K tile kt of the warp's 32 columns into the ring stage at ``dst``:
-        [plane words: (col, kb, bit), contiguous in the tiled format | absmax: (col, kb) |
-        activation rows: (K, row)]. ``cols``: [(column in tile, tile)] of the warp's first
-        column, or of its two runs of 16 (each contiguous in the format). Activations past
-        K are zero-filled (the padded weights there are zero, and A must not be NaN)."""
-        k = self.k
+    def copy_sources(self, mA, mW, mS, cols, rows, kt):
+        """Where the lane's copies of K tile kt (``copy_from``) come from, as register
+        tensors: ([word address], [absmax offset, activation offset]), the offsets 32-bit,
+        in bytes from the tensors' first elements. ``cols``: [(column
+        in tile, tile)] of the warp's first column, or of its two runs of 16 (each contiguous
+        in the format). A lane copies word chunks of one run only: all of them with one run,
+        those of run lane // 16 with two, so each lane's chunks lie at fixed distances from
+        one address. Lanes without a copy get an unused value."""
         lane = cute.arch.lane_idx()
-        first_row, n_rows = rows
+        first_row, _ = rows
         M, K = mA.shape
-        g2s = g2s_copy_atom(Int32)
-        # Activations: the other warps of the CTA read the same rows, so through L1.
-        g2s_l1 = g2s_copy_atom(Int32, through_l1=True)
-        w_chunks = WARP_COLS * BLOCKS_PER_TILE_K * k // CHUNK_WORDS
-        s_chunks = ABSMAX_WORDS // CHUNK_WORDS
-        w_first = [cute.crd2idx((col, (0, kt), 0), mW.layout) for col in cols]
-        s_first = [cute.crd2idx((col, (0, kt)), mS.layout) for col in cols]
         runs = len(cols)
-        for i in cutlass.range_constexpr((w_chunks + 31) // 32):
-            c = lane + 32 * i
-            if cutlass.const_expr(runs == 1):
-                w_src = w_first[0] + c * 4
-            else:  # chunks of the second run of 16 columns start half-way
-                w_src = w_first[0] + c * 4
-                if c >= w_chunks // 2:
-                    w_src = w_first[1] + (c - w_chunks // 2) * 4
-            src = mW.iterator + cute.assume(w_src, divby=4)
-            chunk_dst = dst + cute.assume(c * 4, divby=4)
-            if cutlass.const_expr(32 * (i + 1) <= w_chunks):  # every lane has a chunk
-                _copy_chunk(g2s, src, chunk_dst)
-            elif c < w_chunks:
-                _copy_chunk(g2s, src, chunk_dst)
+        w_first = cute.crd2idx((cols[0], (0, kt), 0), mW.layout)
+        s_first = cute.crd2idx((cols[0], (0, kt)), mS.layout)
+        if cutlass.const_expr(runs == 2):  # lanes 16-31 copy the second run's words,
+            if lane >= 16:  # lanes 2, 3 its absmax
+                w_first = cute.crd2idx((cols[1], (0, kt), 0), mW.layout)
+            if lane >= 2:
+                s_first = cute.crd2idx((cols[1], (0, kt)), mS.layout)
+        lane_in_run = lane % (32 // runs)
+        w_src = cute.make_rmem_tensor((1,), Int64)
+        w_src[0] = (mW.iterator + w_first + lane_in_run * CHUNK_WORDS).toint()
+        off = cute.make_rmem_tensor((2,), Uint32)
+        off[0] = Uint32(s_first + (lane % (4 // runs)) * 16)
+        a_off = (first_row + lane // A_ROW_CHUNKS) * K + kt * TILE_K + lane % A_ROW_CHUNKS * 8
+        off[1] = Uint32(a_off * (self.dtype.width // 8))  # (chunks lane + 32 i: row + 4 i)
+        return w_src, off
+
+    def advance_sources(self, src, mW, mS):
+        """``copy_sources`` of the next K tile: one add per offset, two for the address."""
+        w_step = Int64(cute.crd2idx(((0, 0), (0, 1), 0), mW.layout)) * 4
+        w_src, off = src
+        w_src[0] = w_src[0] + w_step
+        off[0] = off[0] + Uint32(cute.crd2idx(((0, 0), (0, 1)), mS.layout))
+        off[1] = off[1] + Uint32(TILE_K * self.dtype.width // 8)
+
+    def activation_tiles(self, mA):
+        """K tiles whose activation chunk of this lane lies inside K (the lane's chunk of a
+        later tile is zero-filled): ``copy_from`` then compares one number per tile."""
+        chunk_k = cute.arch.lane_idx() % A_ROW_CHUNKS * 8
+        return (mA.shape[1] - chunk_k + TILE_K - 1) // TILE_K
+
+    @cute.jit
+    def copy_from(self, mA, mS, src, runs: cutlass.Constexpr, rows, kt, dst, a_tiles):
+        """cp.async of K tile kt of the warp's columns, from ``copy_sources`` ``src``, into
+        the ring stage at ``dst``: [plane words: (col, kb, bit), contiguous in the tiled
+        format | absmax: (col, kb) | activation rows: (K, row)]. Activations of tiles from
+        ``a_tiles`` (``activation_tiles``) on are zero-filled: they lie past K, where the
+        padded weights are zero, and A must not be NaN."""
+        lane = cute.arch.lane_idx()
+        _, n_rows = rows
+        w_chunks, a_chunks = self.copy_counts()
+        lanes = 32 // runs  # per run
+        run_chunks = w_chunks // runs
+        w_src, off = src
+        w_addr = w_src[0]
+        for i in cutlass.range_constexpr(-(-run_chunks // lanes)):
+            c = lane % lanes + lanes * i  # the lane's chunk of its run
+            chunk_dst = dst + cute.assume(
+                (lane // lanes * run_chunks + c) * CHUNK_WORDS, divby=CHUNK_WORDS
+            )
+            addr = w_addr + lanes * 16 * i
+            if cutlass.const_expr(lanes * (i + 1) <= run_chunks):  # every lane has a chunk
+                cp_async_chunk(chunk_dst, addr)
+            elif c < run_chunks:
+                cp_async_chunk(chunk_dst, addr)
         s_dst = dst + 4 * w_chunks
-        if lane < s_chunks:
-            s_src = s_first[0] + lane * 16
-            if cutlass.const_expr(runs == 2):
-                if lane >= s_chunks // 2:
-                    s_src = s_first[1] + (lane - s_chunks // 2) * 16
-            src = cute.recast_ptr(mS.iterator + cute.assume(s_src, divby=16), dtype=Int32)
-            _copy_chunk(g2s, src, s_dst + cute.assume(lane * 4, divby=4))
+        if lane < ABSMAX_WORDS // CHUNK_WORDS:
+            s_addr = mS.iterator.toint() + Int64(off[0])
+            cp_async_chunk(s_dst + cute.assume(lane * CHUNK_WORDS, divby=4), s_addr)
         a_dst = s_dst + ABSMAX_WORDS
-        a_chunks = self.m * A_ROW_WORDS // CHUNK_WORDS
-        for i in cutlass.range_constexpr((a_chunks + 31) // 32):
+        for i in cutlass.range_constexpr(-(-a_chunks // 32)):
             q = lane + 32 * i
-            row, c = q // (A_ROW_WORDS // CHUNK_WORDS), q % (A_ROW_WORDS // CHUNK_WORDS)
-            if q < a_chunks:
-                if row < n_rows:
-                    d = a_dst + cute.assume(q * CHUNK_WORDS, divby=CHUNK_WORDS)
-                    kk = kt * TILE_K + c * (CHUNK_WORDS * 2)
-                    if kk < K:
-                        off = cute.assume((first_row + row) * K + kk, divby=8)
-                        _copy_chunk(g2s_l1, cute.recast_ptr(mA.iterator + off, dtype=Int32), d)
-                    else:
-                        zero = cute.make_rmem_tensor((CHUNK_WORDS,), Int32)
-                        zero.fill(0)
-                        cute.autovec_copy(zero, cute.make_tensor(d, cute.make_layout(CHUNK_WORDS)))
+            if q < a_chunks and q // A_ROW_CHUNKS < n_rows:
+                # Activations: the other warps of the CTA read the same rows, so through L1.
+                d = a_dst + cute.assume(q * CHUNK_WORDS, divby=CHUNK_WORDS)
+                inside = Int32(kt < a_tiles)
+                a_off = off[1] + Uint32(
+                    32 // A_ROW_CHUNKS * i * mA.shape[1] * (self.dtype.width // 8)
+                )
+                a_addr = mA.iterator.toint() + Int64(a_off)
+                cp_async_chunk(d, a_addr, through_l1=True, fill=inside)
 
     @cute.jit
     def read_tile(self, src, g, t, rows, buf):
@@ -836,15 +882,6 @@ class GemvKernel:
             if has_bias != 0:
                 r = r + Float32(mBias[n])
             mOut[m, n] = self.dtype(r)
-
-
-def _copy_chunk(atom, src: cute.Pointer, dst: cute.Pointer):
-    """One 16-byte cp.async, global ``src`` -> shared ``dst`` (Int32 pointers)."""
-    cute.copy(
-        atom,
-        cute.make_tensor(src, cute.make_layout(CHUNK_WORDS)),
-        cute.make_tensor(dst, cute.make_layout(CHUNK_WORDS)),
-    )
 
 
 def _pairs_of(fields, width: int):
