@@ -187,27 +187,36 @@ def pack_x2(lo: Float32, hi: Float32, dtype: cutlass.Constexpr) -> Uint32:
     )  # fmt: skip
 
 
-def _entry(mCodebook: cute.Tensor, i, dtype) -> Float32:
-    """Codebook entry i times ``CODEBOOK_FACTOR``: the tables of the mma kernels carry the
-    factor so that the absmax is one IMAD (``absmax_x2``) and their product is exact-scaled."""
-    return Float32(mCodebook[i]) * Float32(CODEBOOK_FACTOR[_DTYPE_NAMES[dtype]])
+def _entry(mCodebook: cute.Tensor, i, dtype, factor=None) -> Float32:
+    """Codebook entry i times ``CODEBOOK_FACTOR`` (or ``factor``): the tables of the mma
+    kernels carry the factor so that the absmax is one IMAD (``absmax_x2``) and their product
+    is exact-scaled."""
+    factor = CODEBOOK_FACTOR[_DTYPE_NAMES[dtype]] if factor is None else factor
+    return Float32(mCodebook[i]) * Float32(factor)
 
 
 @cute.jit
-def codebook_x2_lane(mCodebook: cute.Tensor, k: cutlass.Constexpr[int], dtype: cutlass.Constexpr):
-    """Each lane holds entry lane % 2^k (x ``CODEBOOK_FACTOR``) in both halves, for
-    ``codebook_lookup_x2``."""
-    v = _entry(mCodebook, cute.arch.lane_idx() % (1 << k), dtype)
+def codebook_x2_lane(
+    mCodebook: cute.Tensor, k: cutlass.Constexpr[int], dtype: cutlass.Constexpr,
+    factor: cutlass.Constexpr = None,
+):  # fmt: skip
+    """Each lane holds entry lane % 2^k (x ``CODEBOOK_FACTOR`` or ``factor``) in both
+    halves, for ``codebook_lookup_x2``."""
+    v = _entry(mCodebook, cute.arch.lane_idx() % (1 << k), dtype, factor)
     return pack_x2(v, v, dtype)
 
 
 @cute.jit
-def codebook_pair_lane(mCodebook: cute.Tensor, dtype: cutlass.Constexpr):
+def codebook_pair_lane(
+    mCodebook: cute.Tensor, dtype: cutlass.Constexpr, factor: cutlass.Constexpr = None
+):
     """k = 2: lane L holds the pair (entry L & 3, entry (L >> 2) & 3), so one shuffle by a
     4-bit field holding two adjacent 2-bit indices returns both weights."""
     lane = cute.arch.lane_idx()
     return pack_x2(
-        _entry(mCodebook, lane % 4, dtype), _entry(mCodebook, (lane // 4) % 4, dtype), dtype
+        _entry(mCodebook, lane % 4, dtype, factor),
+        _entry(mCodebook, (lane // 4) % 4, dtype, factor),
+        dtype,
     )
 
 
@@ -218,11 +227,11 @@ def codebook_lookup_x2(cb_x2_lane: Uint32, index: Uint32) -> Uint32:
     return Uint32(cute.arch.shuffle_sync(Int32(cb_x2_lane), Int32(index)))
 
 
-def codebook_x2_pairs(mCodebook: cute.Tensor, k: int, dtype) -> list:
-    """For k <= 3: the 2^k entries (x ``CODEBOOK_FACTOR``) as 16-bit values, two per register
-    (entries 2i, 2i+1)."""
+def codebook_x2_pairs(mCodebook: cute.Tensor, k: int, dtype, factor=None) -> list:
+    """For k <= 3: the 2^k entries (x ``CODEBOOK_FACTOR`` or ``factor``) as 16-bit values,
+    two per register (entries 2i, 2i+1)."""
     return [
-        pack_x2(_entry(mCodebook, i, dtype), _entry(mCodebook, i + 1, dtype), dtype)
+        pack_x2(_entry(mCodebook, i, dtype, factor), _entry(mCodebook, i + 1, dtype, factor), dtype)
         for i in range(0, 1 << k, 2)
     ]
 
@@ -289,6 +298,28 @@ def absmax_x2(code: Uint32, dtype_name: str) -> Uint32:
     register holding its value / ``CODEBOOK_FACTOR`` (bit-exact, subnormal codes too):
     one IMAD, where decoding through fp32 takes about six instructions."""
     return Uint32(code) * Uint32(ABSMAX_MAGIC[dtype_name])
+
+
+# The GEMV at M <= 4 scales after the mma (``GemvKernel.split_blocks``): its tables carry
+# SPLIT_FACTOR for both dtypes, and a column's two block scales come as fp32 value / 16: the
+# E4M4 code << 6 read as fp16 (exact, subnormal codes too), widened.
+SPLIT_FACTOR = 16.0
+
+
+def absmax_pair_f32(codes: Uint32):
+    """A column's two E4M4 codes (bytes 0, 1 of ``codes``) -> (fp32, fp32) of value / 16."""
+    half2 = prmt(Uint32(codes), Uint32(0), 0x4140) << Uint32(6)  # code << 6 in each half
+    lo = llvm.inline_asm(
+        T.f32(), [Uint32(half2).ir_value()],
+        "{ .reg .b16 l, h; mov.b32 {l, h}, $1; cvt.f32.f16 $0, l; }", "=f,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    )  # fmt: skip
+    hi = llvm.inline_asm(
+        T.f32(), [Uint32(half2).ir_value()],
+        "{ .reg .b16 l, h; mov.b32 {l, h}, $1; cvt.f32.f16 $0, h; }", "=f,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    )  # fmt: skip
+    return Float32(lo), Float32(hi)
 
 
 def pair_table_index(p: int, k: int) -> tuple[int, int]:

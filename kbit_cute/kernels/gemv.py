@@ -53,6 +53,8 @@ from cutlass.memory import SmemAllocator
 from ..format import BLOCK, BLOCKS_PER_TILE_K, TILE_K, TILE_N
 from ..layouts import weight_absmax_layout, weight_words_layout
 from .device_helpers import (
+    SPLIT_FACTOR,
+    absmax_pair_f32,
     absmax_x2,
     byte_pair_selector,
     byte_table_lookup,
@@ -168,6 +170,12 @@ class GemvKernel:
         if not GemvKernel.lookup_fits(self.lookup, k):
             raise ValueError(f"GEMV lookup {self.lookup!r} does not serve k={k}")
         self.byte_tables = self.lookup == "byte_tables"
+        # M = 1, k = 3, 4: the block scales go after the mma (``mma_tile``), not onto every
+        # weight pair: 14-15 instructions per K tile less, 2-5% faster at M = 1 (A/B, five
+        # shapes). Not taken: k = 2 (its quads cost two multiplies per shared-memory load:
+        # 10 instructions more), k = 5 and M = 2..4 (no faster; M = 4 k = 3, 5 2-3% slower),
+        # sm_80 (k = 3 spilled at its 72-register bound).
+        self.split_blocks = m == 1 and k in (3, 4) and target_arch_family() == "sm_90"
         self.table = self.lookup in TABLE_ENTRY_BYTES  # a shared-memory table per CTA
         min_width = {"byte_tables": 4, "pair_table": 4, "quad_table": 2}.get(self.lookup, 1)
         self.field_width = field_bits(k, min_width)
@@ -413,12 +421,13 @@ class GemvKernel:
         table is filled (e.g. to start the first copies)."""
         k = self.k
         mCodebook = cute.make_tensor(pCodebook, cute.make_layout(1 << k))
+        factor = SPLIT_FACTOR if self.split_blocks else None
         if self.byte_tables:
-            codebook = codebook_x2_pairs(mCodebook, k, self.dtype)
+            codebook = codebook_x2_pairs(mCodebook, k, self.dtype, factor)
         elif self.lookup == "pair_shuffle":
-            codebook = codebook_pair_lane(mCodebook, self.dtype)
+            codebook = codebook_pair_lane(mCodebook, self.dtype, factor)
         else:
-            codebook = codebook_x2_lane(mCodebook, k, self.dtype)
+            codebook = codebook_x2_lane(mCodebook, k, self.dtype, factor)
         half_select = Uint32(0x5410) + Uint32(t % 2) * Uint32(0x2222)  # 16-bit half h of a word
         atom, tiled_mma = gemv_mma(self.dtype)
         frag_a = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((MMA_M, MMA_K)))
@@ -441,6 +450,11 @@ class GemvKernel:
             tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((MMA_M, MMA_N)))
             for _ in range(ROW_TILES)
         ]
+        if cutlass.const_expr(self.split_blocks):
+            # The mma's per-tile results (``acc`` above) and the totals: per row tile, the
+            # thread's columns g, g + 8 for activation row t.
+            buf = (*buf, acc)
+            acc = [cute.make_rmem_tensor((2,), Float32) for _ in range(ROW_TILES)]
         return codebook, half_select, atom, frag_a, frag_b, ring, buf, acc
 
     def make_table(self, table: cute.Tensor, cb_lane):
@@ -566,7 +580,9 @@ class GemvKernel:
             activations.fill(0.0)  # what lanes past the real rows keep (``read_tile``)
         return (
             cute.make_rmem_tensor((self.k, 2 * ROW_TILES), Int32),
-            cute.make_rmem_tensor((2 * ROW_TILES,), cutlass.Uint8),
+            cute.make_rmem_tensor(
+                (2 * ROW_TILES,), cutlass.Uint16 if self.split_blocks else cutlass.Uint8
+            ),
             activations,
         )
 
@@ -663,7 +679,7 @@ class GemvKernel:
         """The thread's part of the ring stage at ``src`` into registers: the k plane words
         of block t // 2 of its columns g + 8 j (j = 0..3), their absmax codes, and its 16
         activations (K run t of row g, if g < count)."""
-        rW, rS, rA = buf
+        rW, rS, rA = buf[:3]
         k = self.k
         kb = t // 2
         absmax = cute.make_tensor(
@@ -674,13 +690,23 @@ class GemvKernel:
             c = g + 8 * j
             w_off = cute.assume(c * (BLOCKS_PER_TILE_K * k) + kb * k, divby=k if k % 2 == 0 else 1)
             cute.autovec_copy(cute.make_tensor(src + w_off, cute.make_layout(k)), rW[None, j])
-            rS[j] = absmax[c * BLOCKS_PER_TILE_K + kb]
+            if cutlass.const_expr(self.split_blocks):  # both blocks' codes
+                rS[j] = cute.make_tensor(
+                    cute.recast_ptr(absmax.iterator, dtype=cutlass.Uint16), cute.make_layout(32)
+                )[c]
+            else:
+                rS[j] = absmax[c * BLOCKS_PER_TILE_K + kb]
         # Only the lanes of real rows load: at M = 1 four lanes instead of 32, 2 instead of 8
         # shared-memory wavefronts per tile (k = 2 is bound by that pipe). The other mma
         # columns keep finite values (zeros or an earlier tile's) and are never stored.
         # Without REAL_ROWS_ONLY they read row count - 1 instead.
         _, n_rows = rows
-        if cutlass.const_expr(self.REAL_ROWS_ONLY):
+        if cutlass.const_expr(self.split_blocks):
+            # mma column g = 2 m + b takes row m's activations in block b: the lanes whose
+            # K positions (block t // 2) are of another block keep zeros.
+            if g // 2 < n_rows and g % 2 == kb:
+                self.read_activations(src, g // 2, t, rA)
+        elif cutlass.const_expr(self.REAL_ROWS_ONLY):
             if g < n_rows:
                 self.read_activations(src, g, t, rA)
         else:
@@ -701,16 +727,23 @@ class GemvKernel:
 
     def mma_tile(self, buf, codebook, half_select, atom, frag_a, frag_b, acc):
         """acc[r] += this K tile of the thread's columns (row tile r) times the activations."""
-        rW, rS, rA = buf
+        rW, rS, rA = buf[:3]
         k, W = self.k, self.field_width
         act = cute.recast_tensor(rA, Uint32)  # act[i] = activations (2i, 2i+1)
         a_regs = cute.recast_tensor(frag_a, Uint32)
         b_regs = cute.recast_tensor(frag_b, Uint32)
-        # Each column's block scale in both halves, one IMAD (the tables carry the factor).
-        scales = [
-            absmax_x2(Uint32(rS[j]) & Uint32(0xFF), _DTYPE_NAME[self.dtype])
-            for j in range(2 * ROW_TILES)
-        ]
+        if cutlass.const_expr(self.split_blocks):
+            # The weights stay unscaled (the tables carry SPLIT_FACTOR); each tile's mma
+            # results are scaled per block afterwards (mma column 2 t + b: block b).
+            one = Uint32(0x3C003C00 if self.dtype is cutlass.Float16 else 0x3F803F80)
+            scales = [one] * (2 * ROW_TILES)  # (byte tables: scaled by 1.0)
+        else:
+            # Each column's block scale in both halves, one IMAD (the tables carry the
+            # factor).
+            scales = [
+                absmax_x2(Uint32(rS[j]) & Uint32(0xFF), _DTYPE_NAME[self.dtype])
+                for j in range(2 * ROW_TILES)
+            ]
         b_pairs = None
         for r in range(ROW_TILES):
             # Plane b of both columns of this row tile, the thread's half of each:
@@ -734,13 +767,18 @@ class GemvKernel:
                             assert pairs[p + 1][0] is word and pairs[p + 1][1][0] == fa + 2
                             quad = self.lookup_quad(codebook, word, fa2)
                             for j in range(2):
-                                w_pairs[half][p + j] = mul_x2(quad[j], scale, self.dtype)
+                                w_pairs[half][p + j] = self.scaled(quad[j], scale)
                     elif self.byte_tables:
                         w_pairs[half][p] = self.lookup_pair(tables, word, fa2, fb2)
                     else:
-                        w_pairs[half][p] = mul_x2(
-                            self.lookup_pair(codebook, word, fa2, fb2), scale, self.dtype
+                        w_pairs[half][p] = self.scaled(
+                            self.lookup_pair(codebook, word, fa2, fb2), scale
                         )
+            if cutlass.const_expr(self.split_blocks):
+                mma_acc = buf[3][r]
+                mma_acc.fill(0.0)
+            else:
+                mma_acc = acc[r]
             for s in range(THREAD_K // 4):  # 4 K positions per mma step
                 # Register order of an m16n8k16 A fragment: (row g, K pair 0), (row g + 8,
                 # pair 0), (row g, pair 1), (row g + 8, pair 1); B: pair 0, pair 1.
@@ -750,7 +788,17 @@ class GemvKernel:
                 a_regs[3] = w_pairs[1][2 * s + 1]
                 b_regs[0] = b_pairs[2 * s]
                 b_regs[1] = b_pairs[2 * s + 1]
-                cute.gemm(atom, acc[r], frag_a, frag_b, acc[r])
+                cute.gemm(atom, mma_acc, frag_a, frag_b, mma_acc)
+            if cutlass.const_expr(self.split_blocks):
+                # mma_acc[2 h + b]: column g + 8 h, block b, activation row t
+                for h in range(2):
+                    s0, s1 = absmax_pair_f32(rS[2 * r + h])
+                    acc[r][h] = acc[r][h] + s0 * mma_acc[2 * h] + s1 * mma_acc[2 * h + 1]
+
+    def scaled(self, pair, scale):
+        """A looked-up weight pair times its block's scale (as it stands: after the mma at
+        M <= 4)."""
+        return pair if self.split_blocks else mul_x2(pair, scale, self.dtype)
 
     def lookup_pair(self, codebook, word, fa: int, fb: int):
         """Codebook values of fields fa and fb of ``word`` as one 16-bit pair (fa low)."""
@@ -801,7 +849,7 @@ class GemvKernel:
         run: stored if the run covered all K (``store_fragment``), else a partial in
         workspace slot ``slot``; the strip's last worker to arrive sums all partials in
         worker order and stores (``store_columns``). ``epi``: what the stores need.
-        C fragment: acc[r][i] is column 16 r + 8 (i // 2) + g of the strip, row 2 t + i % 2."""
+        ``outputs``: which column and row each accumulator is."""
         units, workers, k_tiles = plan
         lane = cute.arch.lane_idx()
         # Workers whose runs meet this strip: w_lo holds its first K tile, w_hi its last.
@@ -812,11 +860,9 @@ class GemvKernel:
             self.store_fragment(acc, epi, wn, t)
         else:
             in_tile0 = wn * WARP_COLS + lane // 4
-            for r in cutlass.range_constexpr(ROW_TILES):
-                for i in cutlass.range_constexpr(4):
-                    m = 2 * t + i % 2
-                    if m < self.m:
-                        mWs[in_tile0 + 16 * r + 8 * (i // 2), m, slot] = acc[r][i]
+            for v, m, col in self.outputs(acc, t):
+                if m < self.m:
+                    mWs[in_tile0 + col, m, slot] = v
             counter = pCounters + (strip * WARPS + wn)
             if warp_split_arrive(counter, w_hi - w_lo + 1) != 0:
                 # w_lo wrote slot 2 w_lo if its run starts at this strip, else 2 w_lo + 1
@@ -825,17 +871,26 @@ class GemvKernel:
                 first_slot = 2 * w_lo + 1 - Int32(starts_here)
                 self.reduce_strip(mWs, epi, wn, first_slot, w_hi - w_lo)
 
+    def outputs(self, acc, t) -> list:
+        """[(value, activation row, column - g of the warp's 32)] of the thread's
+        accumulators. The C fragment: acc[r][i] is column 16 r + 8 (i // 2) + g, row
+        2 t + i % 2; at M <= 4 (``split_blocks``) acc[r][h] is column 16 r + 8 h + g, row t."""
+        if self.split_blocks:
+            return [(acc[r][h], t, 16 * r + 8 * h) for r in range(ROW_TILES) for h in range(2)]
+        return [
+            (acc[r][i], 2 * t + i % 2, 16 * r + 8 * (i // 2))
+            for r in range(ROW_TILES)
+            for i in range(4)
+        ]
+
     @cute.jit
     def store_fragment(self, acc, epi, wn, t):
         """Store the warp's whole-K accumulators: column tile nt of the output."""
         scale, mBias, mOut, has_bias, nt = epi
         in_tile0 = wn * WARP_COLS + cute.arch.lane_idx() // 4
-        for r in cutlass.range_constexpr(ROW_TILES):
-            for i in cutlass.range_constexpr(4):
-                m = 2 * t + i % 2
-                if m < self.m:
-                    col = nt * TILE_N + in_tile0 + 16 * r + 8 * (i // 2)
-                    self.store(acc[r][i], scale, mBias, mOut, has_bias, m, col)
+        for v, m, col in self.outputs(acc, t):
+            if m < self.m:
+                self.store(v, scale, mBias, mOut, has_bias, m, nt * TILE_N + in_tile0 + col)
 
     @cute.jit
     def store_columns(self, v, epi, wn):
