@@ -18,7 +18,10 @@ more than M = 1. What is left per weight is the dequantization into fp16/bf16 pa
   ``prmt``), for k = 2 four at a time from a table of quads (one 8-byte load), for k = 5
   by warp shuffles from a table in registers (register lookups also serve k <= 4 in
   single-quad CTAs, e.g. the grouped MoE kernel), times the block's absmax (one 2-wide
-  multiply; the E4M4 byte becomes a half2 scale with one IMAD, ``absmax_x2``);
+  multiply; the E4M4 byte becomes a half2 scale with one IMAD, ``absmax_x2``). At M = 1,
+  k = 3, 4 the scale comes after the mma instead: its activation columns 2 m + b hold row m
+  masked to block b, and each tile's results are folded with fp32 block scales
+  (``split_blocks``);
 * mma.sync pairs K positions to registers in a fixed pattern; since the dot product does
   not care about the order of K, each register takes the two weights that the SWAR fields
   deliver side by side, and the activations are permuted to match (one ``prmt`` per pair,
