@@ -82,3 +82,17 @@ def test_pair_selector_joins_halves():
     assert _prmt(a, b, dh.pair_selector(0, 0)) == 0x3333_1111
     assert _prmt(a, b, dh.pair_selector(1, 1)) == 0x4444_2222
     assert _prmt(a, b, dh.pair_selector(0, 1)) == 0x4444_1111
+
+
+def test_absmax_pair_reads_both_codes_as_exact_fp16_sixteenths():
+    # absmax_pair_f32: bytes 0, 1 of a column's codes -> PRMT 0x4140 puts them in the two
+    # 16-bit halves, << 6 makes each an fp16 whose value is the E4M4 value / SPLIT_FACTOR,
+    # for every code (subnormal ones too).
+    codes = torch.arange(256, dtype=torch.int64)
+    pairs = codes | (codes.flip(0) << 8)  # a column's block 0 and block 1 codes
+    for x, c0, c1 in zip(pairs.tolist(), codes.tolist(), codes.flip(0).tolist(), strict=True):
+        half2 = (_prmt(x, 0, 0x4140) << 6) & 0xFFFFFFFF
+        lo, hi = half2 & 0xFFFF, half2 >> 16
+        as_fp16 = torch.tensor([lo, hi], dtype=torch.int32).to(torch.int16).view(torch.float16)
+        want = fmt.decode_e4m4(torch.tensor([c0, c1], dtype=torch.uint8)) / dh.SPLIT_FACTOR
+        assert torch.equal(as_fp16.float(), want), (c0, c1)
