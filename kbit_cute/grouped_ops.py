@@ -355,14 +355,15 @@ def _launch(
     stream_slots_bound = stream_slots(R, E)
     if splits is not None:
         kernel = "grid"
+    a_bytes = A.numel() * A.element_size()  # the GEMV kernels' offsets are 32-bit
     if kernel is None:
         kernel = _choose_kernel(k, stream_slots_bound, min(E, R), R, N)
-        if A.numel() * A.element_size() >= MAX_A_BYTES:
+        if a_bytes >= MAX_A_BYTES:
             kernel = "gemm"
-    elif kernel != "gemm" and A.numel() * A.element_size() >= MAX_A_BYTES:
+    elif kernel != "gemm" and a_bytes >= MAX_A_BYTES:
         raise ValueError(
-            f"A holds {A.numel() * A.element_size()} bytes: the {kernel} kernel addresses at "
-            f"most {MAX_A_BYTES} (32-bit offsets); use the gemm kernel"
+            f"A holds {a_bytes} bytes: the {kernel} kernel addresses at most {MAX_A_BYTES} "
+            "(32-bit offsets); use the gemm kernel"
         )
     if kernel == "gemm":
         _launch_gemm(gate_up, A, packed, absmax, codebook, scale, offsets, k, N, K, out, E)

@@ -207,16 +207,12 @@ def codebook_x2_lane(
 
 
 @cute.jit
-def codebook_pair_lane(
-    mCodebook: cute.Tensor, dtype: cutlass.Constexpr, factor: cutlass.Constexpr = None
-):
+def codebook_pair_lane(mCodebook: cute.Tensor, dtype: cutlass.Constexpr):
     """k = 2: lane L holds the pair (entry L & 3, entry (L >> 2) & 3), so one shuffle by a
     4-bit field holding two adjacent 2-bit indices returns both weights."""
     lane = cute.arch.lane_idx()
     return pack_x2(
-        _entry(mCodebook, lane % 4, dtype, factor),
-        _entry(mCodebook, (lane // 4) % 4, dtype, factor),
-        dtype,
+        _entry(mCodebook, lane % 4, dtype), _entry(mCodebook, (lane // 4) % 4, dtype), dtype
     )
 
 
@@ -300,9 +296,9 @@ def absmax_x2(code: Uint32, dtype_name: str) -> Uint32:
     return Uint32(code) * Uint32(ABSMAX_MAGIC[dtype_name])
 
 
-# The GEMV at M <= 4 scales after the mma (``GemvKernel.split_blocks``): its tables carry
-# SPLIT_FACTOR for both dtypes, and a column's two block scales come as fp32 value / 16: the
-# E4M4 code << 6 read as fp16 (exact, subnormal codes too), widened.
+# The GEMV at M = 1, k = 3, 4 scales after the mma (``GemvKernel.split_blocks``): its tables
+# carry SPLIT_FACTOR for both dtypes, and a column's two block scales come as fp32 value / 16:
+# the E4M4 code << 6 read as fp16 (exact, subnormal codes too), widened.
 SPLIT_FACTOR = 16.0
 
 
@@ -431,7 +427,7 @@ def cp_async_chunk(dst: cute.Pointer, src_addr: Int64, through_l1: bool = False,
 
     A kernel's K loop carries its copies' source addresses and adds one stride per tile:
     recomputing them from the tile index (what ``cute.copy`` on a tensor slice compiles to)
-    cost the GEMV ~25 instructions per tile. ``fill`` (Int32): where zero, write 16 zero
+    cost the GEMV ~20 instructions per tile more. ``fill`` (Int32): where zero, write 16 zero
     bytes and read nothing (cp.async's src-size 0), e.g. activations past K."""
     mode = "ca" if through_l1 else "cg"
     size = Int32(16) if fill is None else Int32(16) * Int32(fill != 0)

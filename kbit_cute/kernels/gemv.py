@@ -427,8 +427,8 @@ class GemvKernel:
         factor = SPLIT_FACTOR if self.split_blocks else None
         if self.byte_tables:
             codebook = codebook_x2_pairs(mCodebook, k, self.dtype, factor)
-        elif self.lookup == "pair_shuffle":
-            codebook = codebook_pair_lane(mCodebook, self.dtype, factor)
+        elif self.lookup == "pair_shuffle":  # (k = 2: never scaled after the mma)
+            codebook = codebook_pair_lane(mCodebook, self.dtype)
         else:
             codebook = codebook_x2_lane(mCodebook, k, self.dtype, factor)
         half_select = Uint32(0x5410) + Uint32(t % 2) * Uint32(0x2222)  # 16-bit half h of a word
@@ -597,11 +597,11 @@ class GemvKernel:
     def copy_sources(self, mA, mW, mS, cols, rows, kt):
         """Where the lane's copies of K tile kt (``copy_from``) come from, as register
         tensors: ([word address], [absmax offset, activation offset]), the offsets 32-bit,
-        in bytes from the tensors' first elements. ``cols``: [(column
-        in tile, tile)] of the warp's first column, or of its two runs of 16 (each contiguous
-        in the format). A lane copies word chunks of one run only: all of them with one run,
-        those of run lane // 16 with two, so each lane's chunks lie at fixed distances from
-        one address. Lanes without a copy get an unused value."""
+        in bytes from the tensors' first elements. ``cols``: [(column in tile, tile)] of the
+        warp's first column, or of its two runs of 16 (each contiguous in the format). A lane
+        copies word chunks of one run only: all of them with one run, those of run lane // 16
+        with two, so each lane's chunks lie at fixed distances from one address. Lanes without
+        a copy get an unused value."""
         lane = cute.arch.lane_idx()
         first_row, _ = rows
         M, K = mA.shape
@@ -799,8 +799,8 @@ class GemvKernel:
                     acc[r][h] = acc[r][h] + s0 * mma_acc[2 * h] + s1 * mma_acc[2 * h + 1]
 
     def scaled(self, pair, scale):
-        """A looked-up weight pair times its block's scale (as it stands: after the mma at
-        M <= 4)."""
+        """A looked-up weight pair times its block's scale (as it is with ``split_blocks``:
+        the scale comes after the mma)."""
         return pair if self.split_blocks else mul_x2(pair, scale, self.dtype)
 
     def lookup_pair(self, codebook, word, fa: int, fb: int):
@@ -877,7 +877,7 @@ class GemvKernel:
     def outputs(self, acc, t) -> list:
         """[(value, activation row, column - g of the warp's 32)] of the thread's
         accumulators. The C fragment: acc[r][i] is column 16 r + 8 (i // 2) + g, row
-        2 t + i % 2; at M <= 4 (``split_blocks``) acc[r][h] is column 16 r + 8 h + g, row t."""
+        2 t + i % 2; with ``split_blocks`` acc[r][h] is column 16 r + 8 h + g, row t."""
         if self.split_blocks:
             return [(acc[r][h], t, 16 * r + 8 * h) for r in range(ROW_TILES) for h in range(2)]
         return [
