@@ -333,36 +333,47 @@ def _pow2(n: int) -> int:
 
 class _SplitKState:
     """Split-K scratch of one (device, stream): an fp32 workspace and int32 counters that the
-    kernel leaves at zero, so nothing is cleared per call. Per stream, so GEMVs on two
-    streams never share counters. Driver memory (``device.scratch_tensor``), outside torch's
-    caching allocator: a first call inside a CUDA-graph capture or inductor's graph pool
-    (``mode="reduce-overhead"``) allocates nothing there. Grows to powers of two; an
-    outgrown buffer stays allocated, since plans and captured graphs may still use it."""
+    kernel leaves at zero, so nothing is cleared per call; and the GEMV's partial slots, all
+    ones (``EMPTY_SLOT``) between calls, which its polled hand-over leaves so. Per stream, so
+    GEMVs on two streams never share them. Driver memory (``device.scratch_tensor``),
+    outside torch's caching allocator: a first call inside a CUDA-graph capture or
+    inductor's graph pool (``mode="reduce-overhead"``) allocates nothing there. Grows to
+    powers of two; an outgrown buffer stays allocated, since plans and captured graphs may
+    still use it."""
 
     def __init__(self, dev: int):
         self.dev = dev
         self.workspace: torch.Tensor | None = None
         self.counters: torch.Tensor | None = None
+        self.slots: torch.Tensor | None = None
 
-    def get(self, ws_elems: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.workspace is None or self.workspace.numel() < ws_elems:
+    def get(
+        self, ws_elems: int, groups: int, empty_slots: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(workspace, counters); ``empty_slots``: the slots as the workspace."""
+        if empty_slots:
+            if self.slots is None or self.slots.numel() < ws_elems:
+                n = _pow2(max(ws_elems, 1 << 16))
+                self.slots = _device.scratch_tensor(self.dev, n, torch.float32, fill_byte=0xFF)
+        elif self.workspace is None or self.workspace.numel() < ws_elems:
             n = _pow2(max(ws_elems, 1 << 16))
             self.workspace = _device.scratch_tensor(self.dev, n, torch.float32)
         if self.counters is None or self.counters.numel() < groups:
             n = _pow2(max(groups, 4096))
             self.counters = _device.scratch_tensor(self.dev, n, torch.int32, zero=True)
-        return self.workspace, self.counters
+        return (self.slots if empty_slots else self.workspace), self.counters
 
 
 _split_states: dict[tuple[int, int], _SplitKState] = {}
 
 
-def _split_scratch(dev: int, stream: int, ws_elems: int, groups: int):
-    """(workspace, counters) of a (device, stream), at least ws_elems and groups long."""
+def _split_scratch(dev: int, stream: int, ws_elems: int, groups: int, empty_slots: bool = False):
+    """(workspace, counters) of a (device, stream), at least ws_elems and groups long;
+    ``empty_slots``: the GEMV's slots as the workspace (``_SplitKState``)."""
     state = _split_states.get((dev, stream))
     if state is None:
         state = _split_states[(dev, stream)] = _SplitKState(dev)
-    return state.get(ws_elems, groups)
+    return state.get(ws_elems, groups, empty_slots)
 
 
 class _GemvPlan:
@@ -488,7 +499,9 @@ def _gemm_impl(A, packed, absmax, codebook, scale, k, N, K, bias=None, out=None)
     stream = _raw_stream(dev)
     scratch = plan.scratch.get(stream)
     if scratch is None:
-        scratch = plan.scratch[stream] = _split_scratch(dev, stream, plan.ws_elems, plan.strips)
+        scratch = plan.scratch[stream] = _split_scratch(
+            dev, stream, plan.ws_elems, plan.strips, empty_slots=True
+        )
     if not A.is_contiguous():
         A = A.contiguous()
     fn, workers, ctas = entry
@@ -608,7 +621,8 @@ def _gemv_launch(A, packed, absmax, codebook, scale, k, N, K, bias, out, M, work
         sm_count = _device.check_device(dev).sm_count
         grid = gemv_grid(k, _M_BUCKET[M], A.dtype, N, K, sm_count, workers)
     stream = _raw_stream(dev)
-    scratch = _split_scratch(dev, stream, _ws_elems(grid[0], _M_BUCKET[M]), plan.strips)
+    ws_elems = _ws_elems(grid[0], _M_BUCKET[M])
+    scratch = _split_scratch(dev, stream, ws_elems, plan.strips, empty_slots=True)
     if not A.is_contiguous():
         A = A.contiguous()
     try:

@@ -55,7 +55,7 @@ def run_gemv(A, qw, out, workers="auto", stages=None, lookup=None, quads=None):
     n, ctas = grid_for(qw, M, A.dtype, workers, stages, lookup, quads)
     need = 2 * n * m * COLS_PER_GROUP
     if _ws.numel() < need or _ws.device.type != "cuda":
-        _ws = torch.empty(max(need, 1 << 22), device="cuda")
+        _ws = torch.full((max(need, 1 << 22),), -1, dtype=torch.int32, device="cuda").view(torch.float32)  # EMPTY_SLOT
         _counters = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
     fn(A, qw.packed, qw.absmax, qw.codebook, qw.scale, out, out, _ws, _counters,
        M, qw.N, qw.K, n, ctas, 0)  # fmt: skip
@@ -142,7 +142,7 @@ def bench(split_options, ks, Ms, shapes, stage_options=(None,), variants=((None,
                     gbs = qw.nbytes / (t * 1e3)
                     recs.append(dict(K=K, N=N, k=k, M=M, workers=splits, stages=st, lookup=lk,
                                      quads=wk, us=t, pct=100 * gbs / bw, cublas=t_cublas[M]))  # fmt: skip
-                    rows.append([f"{K}x{N}", k, M, splits, st, f"{lk or ''}/{wk or ''}", f"{t:.1f}", f"{qw.nbytes / bw / 1e3:.1f}",
+                    rows.append([f"{K}x{N}", k, M, splits, st, f"{lk or ''}/{wk or ''}", f"{t:.2f}", f"{qw.nbytes / bw / 1e3:.1f}",
                                  f"{100 * gbs / bw:.0f}%", f"{t_cublas[M]:.1f}", f"{t_cublas[M] / t:.2f}x"])  # fmt: skip
 
     print(f"read bandwidth {bw:.0f} GB/s")

@@ -96,6 +96,23 @@ def test_gemv_stream_k_is_deterministic(workers, weights):
         assert torch.equal(again, first)
 
 
+@pytest.mark.parametrize("M", [1, 3, 8])
+def test_gemv_leaves_every_split_slot_empty(M, weights):
+    """The polled hand-over's invariant: after any call the stream's slots are all
+    EMPTY_SLOT again, whatever the split (16-way, runs over several strips, 63 workers a
+    strip), so the next call's owner waits for the partials of its own call."""
+    for (K, N, k), workers in [((5120, 2048, 4), None), ((5120, 2048, 3), 5),
+                               ((2048, 512, 5), 1000), ((1056, 1000, 2), 37)]:  # fmt: skip
+        qw = weights[(K, N, k)]
+        A = torch.randn(M, K, device="cuda", dtype=torch.float16)
+        out = torch.full((M, N), float("nan"), device="cuda", dtype=A.dtype)
+        got = ops._gemv(A, qw, None, out, M, workers)
+        assert rel_err(got, reference(A, qw)) < TOL[torch.float16]
+        dev = torch.cuda.current_device()
+        slots = ops._split_states[(dev, ops._raw_stream(dev))].slots
+        assert (slots.view(torch.int32) == -1).all(), (K, N, k, workers)
+
+
 def test_gemm_large_m_falls_back_correctly(weights):
     qw = weights[(1056, 1000, 3)]
     A = torch.randn(37, 1056, device="cuda", dtype=torch.float16)

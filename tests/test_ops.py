@@ -225,9 +225,12 @@ def fake_gpu(monkeypatch):
     calls, streams = [], [1234]
     props = kdev.DeviceProps(7, "stub", (9, 0), 132, 50 << 20, 227 << 10, 228 << 10)
 
-    def scratch(index, n, dtype, zero=False):
+    def scratch(index, n, dtype, zero=False, fill_byte=None):
         assert index == 7
-        return fake(torch.zeros(n, dtype=dtype) if zero else torch.full((n,), -7, dtype=dtype))
+        if zero or fill_byte is not None:
+            byte = 0 if zero else fill_byte
+            return fake(torch.full((n * dtype.itemsize,), byte, dtype=torch.uint8).view(dtype))
+        return fake(torch.full((n,), -7, dtype=dtype))
 
     def launcher(k, m_bucket, dtype):
         spec = gemv_spec(k, m_bucket, ops._GEMV_DTYPES[dtype])
@@ -272,8 +275,9 @@ def test_cuda_dispatch_passes_the_kernel_arguments_in_order(M, bias, fake_gpu, g
         assert args[5] == (b.data_ptr() if bias else out.data_ptr()) and args[6] == out.data_ptr()
         assert args[9:] == (M, N, K, workers, ctas, int(bias), 1234)
         state = ops._split_states[(7, 1234)]
-        assert args[7] == state.workspace.data_ptr() and args[8] == state.counters.data_ptr()
-        assert state.workspace.numel() >= 2 * workers * m_bucket * 128
+        assert args[7] == state.slots.data_ptr() and args[8] == state.counters.data_ptr()
+        assert state.slots.numel() >= 2 * workers * m_bucket * 128
+        assert (state.slots.view(torch.int32) == -1).all()  # EMPTY_SLOT: what the owner polls
         assert state.counters.numel() >= N // 32 and not state.counters.any()
     assert list(ops._gemv_plans) == [(k, N, K, 7, dtype)]
 
@@ -383,7 +387,7 @@ def test_scratch_grows_and_keeps_outgrown_buffers(fake_gpu, gen):
         kbit_cute.gemm(A2, big)
     state = ops._split_states[(7, 1234)]
     plan = ops._gemv_plans[(k, 4096, 8192, 7, dtype)]
-    assert state.workspace.numel() >= plan.ws_elems and calls[-1][7] == state.workspace.data_ptr()
+    assert state.slots.numel() >= plan.ws_elems and calls[-1][7] == state.slots.data_ptr()
     assert calls[-1][7] != first
     calls.clear()
     kbit_cute.gemm(A1, small)
@@ -391,7 +395,7 @@ def test_scratch_grows_and_keeps_outgrown_buffers(fake_gpu, gen):
     calls.clear()
     ops._gemv(A2, big, None, fake(torch.empty(4, 4096, dtype=dtype)), 4, workers=3000)
     assert calls[-1][12:14] == ops.gemv_grid(k, 4, dtype, 4096, 8192, 132, 3000)
-    assert calls[-1][12] == 3000 and state.workspace.numel() >= 2 * 3000 * 4 * 128
+    assert calls[-1][12] == 3000 and state.slots.numel() >= 2 * 3000 * 4 * 128
 
 
 def test_kbit_linear_takes_the_hot_path(fake_gpu, gen):

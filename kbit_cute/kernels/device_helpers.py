@@ -502,6 +502,41 @@ def _reset_counter(counter: cute.Pointer) -> None:
     cute.make_tensor(counter, cute.make_layout(1))[0] = Int32(0)
 
 
+# A split-K slot no partial occupies: an all-ones word, a NaN that no arithmetic makes (the
+# GPU's NaNs are 0x7fffffff). Slot buffers start so and every reader leaves them so.
+EMPTY_SLOT = -1
+
+
+def nanosleep(ns: int) -> None:
+    """Suspend the thread for about ``ns`` nanoseconds (a polling loop's back-off)."""
+    llvm.inline_asm(
+        None, [], f"nanosleep.u32 {ns};", "",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    )  # fmt: skip
+
+
+@cute.jit
+def load_slot(ptr: cute.Pointer) -> Int32:
+    """One word of a split-K slot (Int32 pointer), read from L2 (relaxed, GPU scope)."""
+    return cute.arch.load(ptr, Int32, sem="relaxed", scope="gpu")
+
+
+SLOT_POLL_NS = 128  # between polls of a split-K slot not yet written (an L2 round trip ~600)
+
+
+@cute.jit
+def handover_owner(w_lo: Int32, w_hi: Int32, ctas: Int32) -> Int32:
+    """The worker that sums a split strip (workers w_lo..w_hi; worker w runs in CTA
+    w % ctas): the first in the CTA of highest index. It waits only for CTAs of lower index
+    or its own, which the GPU dispatched no later than its own (the order CUTLASS's stream-K
+    fix-up and CUB's decoupled look-back rely on), so the wait cannot deadlock."""
+    to_last_cta = ctas - 1 - w_lo % ctas
+    owner = w_hi
+    if w_hi - w_lo > to_last_cta:  # the workers wrap past the grid's last CTA
+        owner = w_lo + to_last_cta
+    return owner
+
+
 SPLIT_LOADS = 8  # partials loaded at once by sum_split_partials
 
 

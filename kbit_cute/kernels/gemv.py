@@ -56,9 +56,12 @@ from cutlass.memory import SmemAllocator
 from ..format import BLOCK, BLOCKS_PER_TILE_K, TILE_K, TILE_N
 from ..layouts import weight_absmax_layout, weight_words_layout
 from .device_helpers import (
+    EMPTY_SLOT,
+    SLOT_POLL_NS,
     SPLIT_FACTOR,
     absmax_pair_f32,
     absmax_x2,
+    bits_to_f32,
     byte_pair_selector,
     byte_table_lookup,
     codebook_lookup_x2,
@@ -67,7 +70,10 @@ from .device_helpers import (
     codebook_x2_pairs,
     cp_async_chunk,
     field_bits,
+    handover_owner,
+    load_slot,
     mul_x2,
+    nanosleep,
     pair_selector,
     planes_to_fields,
     prefetch_l2,
@@ -108,6 +114,10 @@ CHUNK_WORDS = 4  # one cp.async moves 16 bytes
 # Partials a lane loads per round of the split-K reduction (``reduce_strip``): each round is
 # an L2 round trip, so rows x workers per round as large as registers allow.
 REDUCE_LOADS = 32
+# Slots an owner loads per polling round (``gather_strip``), by rows bucket m: as many as its
+# registers hold without spilling (sm_80's register bounds are tighter at m = 4).
+POLL_WORKERS = {1: 16, 2: 6, 4: 8, 8: 4}
+POLL_WORKERS_SM80 = {1: 16, 2: 8, 4: 4, 8: 4}
 # The copies address activations by 32-bit byte offsets (``copy_sources``): A (all of its
 # rows, in the grouped kernels) must be smaller.
 MAX_A_BYTES = 1 << 32
@@ -140,6 +150,9 @@ class GemvKernel:
     REAL_ROWS_ONLY = True
     # Stream-K run bounds in 64-bit arithmetic (``run_start``); the GEMV's fit 32 bits.
     WIDE_RUNS = False
+    # Split-K hand-over (``finish_strip``): the strip's owner polls the others' slots (its
+    # workspace holds EMPTY_SLOT words between calls), or the counter's last arrival sums.
+    POLLED_HANDOVER = True
 
     def __init__(
         self,
@@ -366,6 +379,10 @@ class GemvKernel:
                 epi = (scale, mBias, mOut, has_bias, nt)
                 self.finish_strip(
                     acc, epi, mWs, pCounters, nt, wn, t, slot, (units, workers, k_tiles)
+                )
+            if cutlass.const_expr(self.POLLED_HANDOVER):
+                self.gather_owned_strips(
+                    worker, (pScale, mBias, mOut, has_bias), mWs, wn, (units, workers, k_tiles)
                 )
         # Only now may the next launch's CTAs come in: resident early, they slowed the
         # CTAs they shared an SM with (k = 5, 14336x4096: 23 -> 34 us).
@@ -849,10 +866,14 @@ class GemvKernel:
     @cute.jit
     def finish_strip(self, acc, epi, mWs, pCounters, strip, wn, t, slot, plan):
         """Output of the warp's strip (32 columns of schedule strip ``strip``) after its K
-        run: stored if the run covered all K (``store_fragment``), else a partial in
-        workspace slot ``slot``; the strip's last worker to arrive sums all partials in
-        worker order and stores (``store_columns``). ``epi``: what the stores need.
-        ``outputs``: which column and row each accumulator is."""
+        run: stored if the run covered all K (``store_fragment``), else its fp32 partial goes
+        to workspace slot ``slot`` and the strip's workers' partials are summed in worker
+        order (bit-identical run to run) and stored (``store_columns``). ``epi``: what the
+        stores need; ``outputs``: which column and row each accumulator is.
+
+        Who sums: with ``POLLED_HANDOVER`` the strip's owner, after its strips
+        (``gather_owned_strips``); otherwise the last worker to count itself in on the
+        strip's counter, here."""
         units, workers, k_tiles = plan
         lane = cute.arch.lane_idx()
         # Workers whose runs meet this strip: w_lo holds its first K tile, w_hi its last.
@@ -865,14 +886,125 @@ class GemvKernel:
             in_tile0 = wn * WARP_COLS + lane // 4
             for v, m, col in self.outputs(acc, t):
                 if m < self.m:
-                    mWs[in_tile0 + col, m, slot] = v
-            counter = pCounters + (strip * WARPS + wn)
-            if warp_split_arrive(counter, w_hi - w_lo + 1) != 0:
-                # w_lo wrote slot 2 w_lo if its run starts at this strip, else 2 w_lo + 1
-                # (its last strip); every later worker starts here: slot 2 w.
-                starts_here = run_start(w_lo, units, workers, wide) >= strip * k_tiles
-                first_slot = 2 * w_lo + 1 - Int32(starts_here)
-                self.reduce_strip(mWs, epi, wn, first_slot, w_hi - w_lo)
+                    ptr = mWs.iterator + cute.crd2idx((in_tile0 + col, m, slot), mWs.layout)
+                    if cutlass.const_expr(self.POLLED_HANDOVER):
+                        cute.arch.store(ptr, v, sem="relaxed", scope="gpu")
+                    else:
+                        cute.arch.store(ptr, v)
+            if cutlass.const_expr(not self.POLLED_HANDOVER):
+                counter = pCounters + (strip * WARPS + wn)
+                if warp_split_arrive(counter, w_hi - w_lo + 1) != 0:
+                    first_slot = self.first_slot(w_lo, strip, plan)
+                    self.reduce_strip(mWs, epi, wn, first_slot, w_hi - w_lo)
+
+    @cute.jit
+    def first_slot(self, w_lo, strip, plan) -> Int32:
+        """The slot of a split strip's first worker: w_lo wrote slot 2 w_lo if its run starts
+        at this strip, else 2 w_lo + 1 (its last strip); every later worker starts here and
+        wrote slot 2 w (``strip_slot``)."""
+        units, workers, k_tiles = plan
+        starts_here = run_start(w_lo, units, workers, self.WIDE_RUNS) >= strip * k_tiles
+        return 2 * w_lo + 1 - Int32(starts_here)
+
+    @cute.jit
+    def gather_owned_strips(self, worker, epi, mWs, wn, plan):
+        """The polled hand-over's sums: of the worker's first and last strip, those it owns
+        (split, and it is the strip's worker in the CTA of highest index,
+        ``handover_owner``). After all its strips, so that no K run waits and the K loop's
+        registers are free for a round of loads (what it needs is re-derived from the
+        kernel's arguments here, not kept across the loop). Every worker stored its
+        partials before waiting for any, and an owner waits only for CTAs of lower index or
+        its own: no wait can deadlock, even where the grid does not fit the GPU at once.
+        ``epi``: (scale pointer, bias, out, has_bias)."""
+        units, workers, k_tiles = plan
+        pScale, mBias, mOut, has_bias = epi
+        ctas, _, _ = cute.arch.grid_dim()
+        wide = self.WIDE_RUNS
+        first = run_start(worker, units, workers, wide) // k_tiles
+        last = (run_start(worker + 1, units, workers, wide) - 1) // k_tiles
+        for i in cutlass.range(1 + Int32(last != first), unroll=1):
+            strip = first + i * (last - first)
+            w_lo = worker_of(strip * k_tiles, units, workers, wide)
+            w_hi = worker_of(strip * k_tiles + k_tiles - 1, units, workers, wide)
+            if w_lo != w_hi and handover_owner(w_lo, w_hi, ctas) == worker:
+                scale = cute.make_tensor(pScale, cute.make_layout(1))[0]
+                first_slot = self.first_slot(w_lo, strip, plan)
+                epi_strip = (scale, mBias, mOut, has_bias, strip)
+                self.gather_strip(mWs, epi_strip, wn, first_slot, w_hi - w_lo)
+
+    @staticmethod
+    def strip_slot(first_slot, i):
+        """The workspace slot of a split strip's worker i (0: w_lo, in ``first_slot``; the
+        later ones start at the strip: slot 2 w)."""
+        return first_slot - (first_slot % 2) * Int32(i != 0) + 2 * i
+
+    @cute.jit
+    def gather_strip(self, mWs, epi, wn, first_slot, later):
+        """The owner's sum of a split strip: lane c sums column c over the strip's workers in
+        worker order (slots ``first_slot`` then ``later`` more, 2 apart), and stores. A
+        round loads ``batch`` workers' slots at once and reloads the empty ones together
+        until none is left (``load_slots``; between reloads it polls one word per slot,
+        ``await_probes``): one L2 round trip per round when the others are done, about two
+        after the last of them when not. Then it empties them."""
+        lane = cute.arch.lane_idx()
+        c = wn * WARP_COLS + lane
+        sm80 = target_arch_family() == "sm_80"
+        batch = (POLL_WORKERS_SM80 if sm80 else POLL_WORKERS)[self.m]
+        words = cute.recast_ptr(mWs.iterator, dtype=Int32)
+        v = [Float32(0.0) for _ in range(self.m)]
+        parts = cute.make_rmem_tensor((batch * self.m,), Int32)
+        for b0 in cutlass.range(0, later + 1, batch, unroll=1):
+            pending = self.load_slots(parts, words, mWs.layout, c, first_slot, b0, later, True)
+            while cute.arch.vote_any_sync(pending != 0):
+                self.await_probes(words, mWs.layout, wn, first_slot, b0, later, batch)
+                pending = self.load_slots(parts, words, mWs.layout, c, first_slot, b0, later, False)
+            for j in cutlass.range_constexpr(batch):
+                slot = self.strip_slot(first_slot, b0 + j)
+                for m in cutlass.range_constexpr(self.m):
+                    if b0 + j <= later:
+                        v[m] = v[m] + bits_to_f32(parts[j * self.m + m])
+                        ptr = words + cute.crd2idx((c, m, slot), mWs.layout)
+                        cute.arch.store(ptr, Int32(EMPTY_SLOT), sem="relaxed", scope="gpu")
+        self.store_columns(v, epi, wn)
+
+    @cute.jit
+    def await_probes(self, words, layout, wn, first_slot, b0, later, batch):
+        """Wait until each slot of a round (workers b0 .. b0 + batch - 1, up to ``later``)
+        holds its probe word (the warp's column 0, row 0): lane j polls worker b0 + j's.
+        One word per slot and poll: polling every word of a round, the owners that finish
+        first loaded more from L2 than the K loops did (M = 4: 3% slower at 8192x28672)."""
+        lane = cute.arch.lane_idx()
+        ptr = words + cute.crd2idx(
+            (wn * WARP_COLS, 0, self.strip_slot(first_slot, b0 + lane)), layout
+        )
+        polls = lane < batch and b0 + lane <= later
+        probe = Int32(0)
+        if polls:
+            probe = load_slot(ptr)
+        while cute.arch.vote_any_sync(probe == Int32(EMPTY_SLOT)):
+            nanosleep(SLOT_POLL_NS)
+            if polls:
+                probe = load_slot(ptr)
+
+    @cute.jit
+    def load_slots(self, parts, words, layout, c, first_slot, b0, later,
+                   first: cutlass.Constexpr[bool]) -> Int32:  # fmt: skip
+        """One polling pass over a round's slots (workers b0 .. b0 + batch - 1 of the strip,
+        up to ``later``): loads every word (``first``: and zeroes the rest of
+        ``parts``), else reloads the empty ones. Returns nonzero while one is empty."""
+        batch = cute.size(parts) // self.m
+        pending = Int32(0)
+        for j in cutlass.range_constexpr(batch):
+            slot = self.strip_slot(first_slot, b0 + j)
+            for m in cutlass.range_constexpr(self.m):
+                i = j * self.m + m
+                if cutlass.const_expr(first):
+                    parts[i] = Int32(0)
+                real = b0 + j <= later
+                if real and (cutlass.const_expr(first) or parts[i] == Int32(EMPTY_SLOT)):
+                    parts[i] = load_slot(words + cute.crd2idx((c, m, slot), layout))
+                pending = pending | Int32(parts[i] == Int32(EMPTY_SLOT))
+        return pending
 
     def outputs(self, acc, t) -> list:
         """[(value, activation row, column - g of the warp's 32)] of the thread's

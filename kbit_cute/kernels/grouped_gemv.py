@@ -530,6 +530,8 @@ class GroupedStreamKernel(GemvKernel):
     """
 
     WIDE_RUNS = True  # its unit count depends on the routing
+    # Runs cross strips here: an owner waiting for its strip would hold up its next one.
+    POLLED_HANDOVER = False
     REGISTER_LOOKUP_QUADS = 1  # k = 5: one quad per CTA (measured with it)
 
     def __init__(self, k: int, dtype: type[cutlass.Numeric], gate_up: bool, stages=None):
