@@ -231,7 +231,7 @@ GEMV_MAX_M = 8  # the GEMV's mma has 8 activation columns; larger M goes to the 
 _M_BUCKET = (0, 1, 2, 4, 4, 8, 8, 8, 8)  # M -> the compiled rows bucket of the GEMV
 
 
-def gemv_splits(N: int, K: int, sm_count: int) -> int:
+def gemv_splits(N: int, K: int, sm_count: int, m_bucket: int = 1) -> int:
     """Stream-K workers per column tile of the GEMV (a power of two, at most 16): each
     tile's K range in that many equal runs, so that no run crosses a column tile (a run
     that does pays a pipeline drain and refill at the crossing: slower, measured).
@@ -261,20 +261,28 @@ def gemv_splits(N: int, K: int, sm_count: int) -> int:
     512x1024 3.82 / 3.68 / 3.92 -> 3.61 / 3.35 / 3.55; 512x4096 keeps 4). With >= 64
     column tiles K < 16 tiles stays unsplit (512x8192, 512x12288: best for k = 2, 4; k = 5
     wanted 4 splits at 512x8192, 4.85 against 5.51).
+    With the polled hand-over (``kernels.gemv.GemvKernel.gather_strip``, 2026-11-26) an
+    owner loads a few slots per round (``POLL_WORKERS``): from M = 2 (``m_bucket``) short K
+    takes runs of >= 2 tiles (512x2048, us, k = 2 / 4 / 5, 8 -> 4 splits: M = 2 3.10 / 2.83 /
+    3.10 -> 2.85 / 2.70 / 3.02, M = 8 4.55 / 4.12 / 4.35 -> 3.76 / 3.49 / 3.66; M = 1 keeps 8:
+    2.77 / 2.50 / 2.83 against 2.81 / 2.58 / 2.92), and M = 8 at most 8 splits (14336x4096
+    16.22 / 17.60 / 25.34 -> 14.83 / 17.60 / 24.67, 4096x2048 7.79 / 7.67 / 9.08 -> 6.56 /
+    6.55 / 7.91, 2048x512 6.23 / 5.89 / 6.18 -> 5.15 / 4.93 / 5.30; at M = 4 16 splits stay
+    best or equal on 4 of these 5 shapes).
     """
     n_tiles = -(-N // 128)
     k_tiles = -(-K // 64)
     if k_tiles <= 4:
         return 1
-    max_splits = 16
+    max_splits = 16 if m_bucket < 8 else 8
     if n_tiles >= 64:
         if k_tiles < 16:
             return 1
-        min_kt, max_splits = (16, 16) if k_tiles > 32 else (4, 4)
+        min_kt, max_splits = (16, max_splits) if k_tiles > 32 else (4, 4)
     elif n_tiles <= 4:
         min_kt = 2
     elif k_tiles <= 8:
-        want = min(-(-sm_count // n_tiles), k_tiles)
+        want = min(-(-sm_count // n_tiles), k_tiles // (1 if m_bucket == 1 else 2))
         return 1 << (want.bit_length() - 1)
     else:
         min_kt = 4
@@ -306,7 +314,7 @@ def kernel_grid(kernel, N: int, K: int, sm_count: int, workers: int | None = Non
     n_tiles = -(-N // 128)
     units = n_tiles * -(-K // 64)
     if not workers:
-        splits = gemv_splits(N, K, sm_count)
+        splits = gemv_splits(N, K, sm_count, kernel.m)
         workers = n_tiles * max(1, min(splits, slots * kernel.quads // n_tiles))
     workers = min(workers, units)
     # Quads of a CTA take workers ctas apart: one CTA per slot, or as few as hold them all.

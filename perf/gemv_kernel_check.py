@@ -55,7 +55,9 @@ def run_gemv(A, qw, out, workers="auto", stages=None, lookup=None, quads=None):
     n, ctas = grid_for(qw, M, A.dtype, workers, stages, lookup, quads)
     need = 2 * n * m * COLS_PER_GROUP
     if _ws.numel() < need or _ws.device.type != "cuda":
-        _ws = torch.full((max(need, 1 << 22),), -1, dtype=torch.int32, device="cuda").view(torch.float32)  # EMPTY_SLOT
+        _ws = torch.full((max(need, 1 << 22),), -1, dtype=torch.int32, device="cuda").view(
+            torch.float32
+        )  # EMPTY_SLOT
         _counters = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
     fn(A, qw.packed, qw.absmax, qw.codebook, qw.scale, out, out, _ws, _counters,
        M, qw.N, qw.K, n, ctas, 0)  # fmt: skip

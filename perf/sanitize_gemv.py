@@ -1,5 +1,5 @@
-"""One GEMV call per k (stream-K runs that end inside column tiles, so workspace and
-counters are exercised), for
+"""One GEMV call per k (stream-K runs that end inside column tiles, so the split-K slots
+and the owners' polling are exercised), for
 ``compute-sanitizer --tool memcheck|racecheck python -m perf.sanitize_gemv``."""
 
 from __future__ import annotations

@@ -434,6 +434,22 @@ def test_gemv_splits_rule(K, N, splits):
     assert ops.gemv_splits(N, K, 132) == splits
 
 
+@pytest.mark.parametrize(
+    "K,N,m_bucket,splits",
+    [
+        (512, 2048, 2, 4),  # short K from M = 2: runs of >= 2 tiles
+        (512, 2048, 8, 4),
+        (14336, 4096, 4, 16),
+        (14336, 4096, 8, 8),  # M = 8: at most 8 (the owner's rounds hold 2 slots)
+        (2048, 512, 8, 8),
+        (4096, 14336, 8, 4),
+    ],
+)
+def test_gemv_splits_by_rows(K, N, m_bucket, splits):
+    """The rule's rows-bucket terms (measured with the polled hand-over)."""
+    assert ops.gemv_splits(N, K, 132, m_bucket) == splits
+
+
 def test_gemv_grid_refuses_runs_past_32_bits():
     """The GEMV computes its stream-K run bounds in 32 bits: a weight whose (column tile, K
     tile) units x workers reach 2^32 is refused with a message, not computed wrongly."""

@@ -114,10 +114,13 @@ CHUNK_WORDS = 4  # one cp.async moves 16 bytes
 # Partials a lane loads per round of the split-K reduction (``reduce_strip``): each round is
 # an L2 round trip, so rows x workers per round as large as registers allow.
 REDUCE_LOADS = 32
-# Slots an owner loads per polling round (``gather_strip``), by rows bucket m: as many as its
-# registers hold without spilling (sm_80's register bounds are tighter at m = 4).
-POLL_WORKERS = {1: 16, 2: 6, 4: 8, 8: 4}
-POLL_WORKERS_SM80 = {1: 16, 2: 8, 4: 4, 8: 4}
+# Slots an owner loads per polling round (``gather_strip``), by rows bucket m. Measured
+# (``perf.gemv_kernel_check``, 8 shapes, k = 2, 4, 5): 16 slot words per lane or fewer;
+# m = 4: 4 slots rather than 8 (14336x4096 k = 4 15.52 -> 14.88 us, 4096x2048 k = 2 6.10 ->
+# 5.43), m = 8: 2 rather than 4 (4096x2048 k = 2 7.82 -> 7.27); halving m = 1, 2, 4 again
+# was slower (2048x512 k = 4: 2.71 -> 2.90 at M = 1, 4.06 -> 4.97 at M = 4). m = 2 at 8
+# spilled on sm_90a.
+POLL_WORKERS = {1: 16, 2: 6, 4: 4, 8: 2}
 # The copies address activations by 32-bit byte offsets (``copy_sources``): A (all of its
 # rows, in the grouped kernels) must be smaller.
 MAX_A_BYTES = 1 << 32
@@ -948,8 +951,7 @@ class GemvKernel:
         after the last of them when not. Then it empties them."""
         lane = cute.arch.lane_idx()
         c = wn * WARP_COLS + lane
-        sm80 = target_arch_family() == "sm_80"
-        batch = (POLL_WORKERS_SM80 if sm80 else POLL_WORKERS)[self.m]
+        batch = POLL_WORKERS[self.m]
         words = cute.recast_ptr(mWs.iterator, dtype=Int32)
         v = [Float32(0.0) for _ in range(self.m)]
         parts = cute.make_rmem_tensor((batch * self.m,), Int32)
