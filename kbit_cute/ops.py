@@ -268,7 +268,12 @@ def gemv_splits(N: int, K: int, sm_count: int, m_bucket: int = 1) -> int:
     2.77 / 2.50 / 2.83 against 2.81 / 2.58 / 2.92), and M = 8 at most 8 splits (14336x4096
     16.22 / 17.60 / 25.34 -> 14.83 / 17.60 / 24.67, 4096x2048 7.79 / 7.67 / 9.08 -> 6.56 /
     6.55 / 7.91, 2048x512 6.23 / 5.89 / 6.18 -> 5.15 / 4.93 / 5.30; at M = 4 16 splits stay
-    best or equal on 4 of these 5 shapes).
+    best or equal on 4 of these 5 shapes). At M = 1, up to 16 column tiles over K > 8 tiles
+    take runs of >= 2 tiles, not 4 (k = 2 / 3 / 4 / 5, us: 2048x2048 8 -> 16 splits 3.70 /
+    3.55 / 3.50 / 4.19 -> 3.54 / 3.40 / 3.45 / 4.12, 1024x2048 4 -> 8 3.42 / 3.28 / 3.19 /
+    3.79 -> 3.05 / 2.93 / 2.84 / 3.25, 3072x1024 8 -> 16 4.12 / 4.05 / 4.02 / 4.67 -> 3.43 /
+    3.26 / 3.25 / 3.71, 1536x2048 4 -> 8 4.04 / 3.96 / 3.88 / 4.62 -> 3.37 / 3.21 / 3.17 /
+    3.67; 2048x5120, 40 column tiles, wants 8, not 16; M = 2 at 2048x2048 8, not 16).
     """
     n_tiles = -(-N // 128)
     k_tiles = -(-K // 64)
@@ -285,7 +290,7 @@ def gemv_splits(N: int, K: int, sm_count: int, m_bucket: int = 1) -> int:
         want = min(-(-sm_count // n_tiles), k_tiles // (1 if m_bucket == 1 else 2))
         return 1 << (want.bit_length() - 1)
     else:
-        min_kt = 4
+        min_kt = 2 if m_bucket == 1 and n_tiles <= 16 else 4
     want = min(-(-6 * sm_count // n_tiles), k_tiles // min_kt, max_splits)
     return 1 << (max(want, 1).bit_length() - 1)
 

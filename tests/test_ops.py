@@ -422,7 +422,10 @@ def test_kbit_linear_takes_the_hot_path(fake_gpu, gen):
         (384, 2048, 4),  # 6 K tiles: the power of two below
         (512, 8192, 1),  # short K, many columns: unsplit
         (2048, 512, 16),  # few columns: runs of 2 tiles
-        (2048, 2048, 8),
+        (2048, 2048, 16),  # <= 16 column tiles at M = 1: runs of >= 2 tiles
+        (1024, 2048, 8),
+        (3072, 1024, 16),
+        (2048, 5120, 8),  # 40 column tiles: runs of >= 4 tiles
         (2048, 8192, 4),  # many columns, K <= 32 tiles: 4 splits
         (8192, 28672, 4),  # many columns, long K: runs of >= 16 tiles, ~6 runs per SM
         (4096, 14336, 4),
@@ -437,6 +440,7 @@ def test_gemv_splits_rule(K, N, splits):
 @pytest.mark.parametrize(
     "K,N,m_bucket,splits",
     [
+        (2048, 2048, 2, 8),  # from M = 2: runs of >= 4 tiles
         (512, 2048, 2, 4),  # short K from M = 2: runs of >= 2 tiles
         (512, 2048, 8, 4),
         (14336, 4096, 4, 16),
