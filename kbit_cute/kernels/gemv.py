@@ -30,9 +30,11 @@ more than M = 1. What is left per weight is the dequantization into fp16/bf16 pa
 Schedule (stream-K): the weight is (column tile, K tile) units in column-tile-major order,
 split into ``workers`` equal contiguous runs. A worker is a quad of 4 warps (32 columns
 each: one repack tile); a CTA holds ``quads`` of them. A run may start and end inside a
-column tile: the warp then writes its fp32 partial to a workspace slot and counts itself in
-on the strip's counter; the last of the strip's workers sums the slots in worker order
-(bit-identical run to run) and resets the counter, so no memset is ever needed.
+column tile: the warp then writes its fp32 partial to a workspace slot, and after its strips
+the strip's owner (its worker in the CTA of highest index) waits for the others' slots,
+sums them in worker order (bit-identical run to run) and empties them again, so no memset
+is ever needed (``finish_strip``, ``gather_strip``; one L2 round trip where a counter took
+three).
 ``workers`` = column tiles x s is an s-way split-K; the library picks that form (a run
 that crosses a column tile drains and refills its ring there: measured slower) with as
 many workers as fit one wave (``ops.kernel_grid``). The pair table (k <= 4) is shared by
