@@ -145,15 +145,15 @@ def _primary_context(index: int):
     return _check(driver.cuDevicePrimaryCtxRetain(_check(driver.cuDeviceGet(index))))
 
 
-def scratch_tensor(index: int, numel: int, dtype, zero: bool = False, fill_byte: int | None = None):
+def scratch_tensor(index: int, numel: int, dtype, fill_byte: int | None = None):
     """A 1-D CUDA tensor of ``numel`` elements on device ``index`` in memory from
     ``cuMemAlloc`` (not torch's caching allocator), kept until the process exits.
 
     Safe to call while a stream is being captured into a CUDA graph: the thread's capture
-    mode is relaxed for the allocation (what torch's own allocator does), and ``zero``
-    clears the memory on a private stream and waits for it, so nothing enters the graph
-    and the memory is zero before the caller's next launch on any stream. ``fill_byte``:
-    the same with every byte set to it instead (e.g. 0xFF: split-K slots left empty).
+    mode is relaxed for the allocation (what torch's own allocator does), and
+    ``fill_byte`` (0: zeros; 0xFF: split-K slots left empty) sets every byte on a private
+    stream and waits for it, so nothing enters the graph and the memory is set before the
+    caller's next launch on any stream.
     """
     import torch
     from cuda.bindings import driver
@@ -168,8 +168,6 @@ def scratch_tensor(index: int, numel: int, dtype, zero: bool = False, fill_byte:
         try:
             ptr = int(_check(driver.cuMemAlloc(nbytes)))
             _allocations.append((index, ptr))
-            if zero:
-                fill_byte = 0
             if fill_byte is not None:
                 stream = _side_streams.get(index)
                 if stream is None:

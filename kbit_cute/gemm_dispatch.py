@@ -185,18 +185,18 @@ class _SplitKBuffers:
         self.dev = dev
         self.partials = self.sums = self.counters = None
 
-    def _grown(self, old, numel: int, dtype: torch.dtype, zero: bool):
+    def _grown(self, old, numel: int, dtype: torch.dtype, fill_byte: int | None):
         if old is not None and old.numel() >= numel:
             return old
         n = 1 << (max(numel, 4096) - 1).bit_length()
-        return _device.scratch_tensor(self.dev, n, dtype, zero=zero)
+        return _device.scratch_tensor(self.dev, n, dtype, fill_byte)
 
     def get(self, ws_elems: int, tiles: int, atomic: bool):
         if atomic:
-            ws = self.sums = self._grown(self.sums, ws_elems, torch.float32, zero=True)
+            ws = self.sums = self._grown(self.sums, ws_elems, torch.float32, 0)
         else:
-            ws = self.partials = self._grown(self.partials, ws_elems, torch.float32, zero=False)
-        self.counters = self._grown(self.counters, tiles, torch.int32, zero=True)
+            ws = self.partials = self._grown(self.partials, ws_elems, torch.float32, None)
+        self.counters = self._grown(self.counters, tiles, torch.int32, 0)
         return ws, self.counters
 
 

@@ -239,8 +239,8 @@ def gemv_splits(N: int, K: int, sm_count: int, m_bucket: int = 1) -> int:
     From an H100 sweep of splits 1..16 (``python -m perf.gemv_kernel_check``, 2026-11-22):
     shapes with many column tiles want long runs (>= 16 K tiles each) and about 6 runs per
     SM in all; shapes with few column tiles are latency-bound and want up to 16 runs of
-    >= 4 K tiles. The same for every rows bucket (M = 1..8) since the reduction loads 32
-    partials per lane per round (``kernels.gemv.REDUCE_LOADS``): halving the splits at M = 4
+    >= 4 K tiles. With the counter hand-over the same for every rows bucket (M = 1..8), since
+    its reduction loaded 32 partials per lane per round: halving the splits at M = 4
     measured slower (``--workers auto s4 s8 s16``: 2048x2048 7.0 vs 6.0 us, 14336x4096 k = 4
     17.9 vs 17.1); at M = 8 this rule was within noise of the best fixed count on six shapes.
     Refined from a sweep of 1, 2, 4, 8 and 16 splits on 16 smaller shapes (2026-11-23, us at
@@ -373,7 +373,7 @@ class _SplitKState:
             self.workspace = _device.scratch_tensor(self.dev, n, torch.float32)
         if self.counters is None or self.counters.numel() < groups:
             n = _pow2(max(groups, 4096))
-            self.counters = _device.scratch_tensor(self.dev, n, torch.int32, zero=True)
+            self.counters = _device.scratch_tensor(self.dev, n, torch.int32, fill_byte=0)
         return (self.slots if empty_slots else self.workspace), self.counters
 
 

@@ -106,7 +106,7 @@ def install_mock(K: int, N: int, k: int, dtype: torch.dtype, sm_count: int = 132
     ops._gemv_launchers[(k, 1, dtype)] = stub
     ops._current_device = lambda: -1
     ops._raw_stream = lambda dev: 0
-    kdev.scratch_tensor = lambda index, n, dt, zero=False, fill_byte=None: torch.zeros(n, dtype=dt)
+    kdev.scratch_tensor = lambda index, n, dt, fill_byte=None: torch.zeros(n, dtype=dt)
     ops._gemv_plans[(k, N, K, -1, dtype)] = ops._GemvPlan(k, N, K, dtype, sm_count)
     A = torch.randn(1, K, dtype=dtype)
     qw = kbit_cute.quantize(torch.randn(N, K, dtype=dtype), k)

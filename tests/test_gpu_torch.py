@@ -105,7 +105,7 @@ def test_scratch_tensor_is_driver_memory():
     dev = torch.cuda.current_device()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated(dev)
-    c = kdev.scratch_tensor(dev, 5000, torch.int32, zero=True)
+    c = kdev.scratch_tensor(dev, 5000, torch.int32, fill_byte=0)
     w = kdev.scratch_tensor(dev, 7, torch.float32)
     assert torch.cuda.memory_allocated(dev) == before  # not torch's caching allocator
     assert c.shape == (5000,) and c.dtype == torch.int32 and c.get_device() == dev
@@ -124,7 +124,7 @@ def test_scratch_tensor_inside_graph_capture():
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        c = kdev.scratch_tensor(dev, 4096, torch.int32, zero=True)
+        c = kdev.scratch_tensor(dev, 4096, torch.int32, fill_byte=0)
         y = x + c
     assert not c.any()  # zero now, before any replay
     c.fill_(5)

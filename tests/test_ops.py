@@ -225,11 +225,10 @@ def fake_gpu(monkeypatch):
     calls, streams = [], [1234]
     props = kdev.DeviceProps(7, "stub", (9, 0), 132, 50 << 20, 227 << 10, 228 << 10)
 
-    def scratch(index, n, dtype, zero=False, fill_byte=None):
+    def scratch(index, n, dtype, fill_byte=None):
         assert index == 7
-        if zero or fill_byte is not None:
-            byte = 0 if zero else fill_byte
-            return fake(torch.full((n * dtype.itemsize,), byte, dtype=torch.uint8).view(dtype))
+        if fill_byte is not None:
+            return fake(torch.full((n * dtype.itemsize,), fill_byte, dtype=torch.uint8).view(dtype))
         return fake(torch.full((n,), -7, dtype=dtype))
 
     def launcher(k, m_bucket, dtype):

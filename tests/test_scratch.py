@@ -84,7 +84,7 @@ def names(calls):
 
 
 def test_zeroed_scratch_is_cleared_and_waited_for_in_relaxed_capture_mode(driver):
-    t = kdev.scratch_tensor(3, 1000, torch.int32, zero=True)
+    t = kdev.scratch_tensor(3, 1000, torch.int32, fill_byte=0)
     assert t.data_ptr() == 0x7000 and t.get_device() == 3
     calls = names(driver.calls)
     start = calls.index("cuThreadExchangeStreamCaptureMode")
@@ -126,17 +126,17 @@ def test_a_driver_error_restores_the_capture_mode_and_context(driver):
 def test_gemm_buffers_grow_by_powers_of_two_and_zero_what_the_kernel_keeps_zero(monkeypatch):
     made = []
 
-    def scratch(index, n, dtype, zero=False):
-        made.append((n, dtype, zero))
+    def scratch(index, n, dtype, fill_byte=None):
+        made.append((n, dtype, fill_byte))
         return torch.zeros(n, dtype=dtype)
 
     monkeypatch.setattr(kdev, "scratch_tensor", scratch)
     bufs = gemm_dispatch._SplitKBuffers(0)
     ws, cnt = bufs.get(5000, 10, atomic=False)
-    assert made == [(8192, torch.float32, False), (4096, torch.int32, True)]
+    assert made == [(8192, torch.float32, None), (4096, torch.int32, 0)]
     assert bufs.get(8192, 4096, atomic=False) == (ws, cnt)  # big enough: nothing new
     sums, _ = bufs.get(70_000, 10, atomic=True)
-    assert made[-1] == (1 << 17, torch.float32, True) and sums is not ws  # zeroed sums
+    assert made[-1] == (1 << 17, torch.float32, 0) and sums is not ws  # zeroed sums
     assert bufs.get(1, 1, atomic=False)[0] is ws  # partials and sums are separate
     bufs.get(1, 5000, atomic=False)
-    assert made[-1] == (8192, torch.int32, True)
+    assert made[-1] == (8192, torch.int32, 0)

@@ -413,12 +413,13 @@ def _prmt_host(a: int, b: int, sel: int) -> int:
 # ----------------------------------------------------------------------------- cp.async
 
 
-def g2s_copy_atom(dtype: type[cutlass.Numeric], through_l1: bool = False):
-    """A 16-byte cp.async (global -> shared) copy atom of ``dtype`` elements. Streamed data
-    (weights) bypasses L1; ``through_l1`` keeps it there for data other warps reread."""
-    mode = cute.nvgpu.LoadCacheMode.ALWAYS if through_l1 else cute.nvgpu.LoadCacheMode.GLOBAL
+def g2s_copy_atom(dtype: type[cutlass.Numeric]):
+    """A 16-byte cp.async (global -> shared) copy atom of ``dtype`` elements, bypassing L1
+    (``cp_async_chunk`` is the GEMV's, with the L1 choice and a zero fill)."""
     return cute.make_copy_atom(
-        cute.nvgpu.cpasync.CopyG2SOp(cache_mode=mode), dtype, num_bits_per_copy=128
+        cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
+        dtype,
+        num_bits_per_copy=128,
     )
 
 
@@ -521,7 +522,7 @@ def load_slot(ptr: cute.Pointer) -> Int32:
     return cute.arch.load(ptr, Int32, sem="relaxed", scope="gpu")
 
 
-SLOT_POLL_NS = 128  # between polls of a split-K slot not yet written (an L2 round trip ~600)
+SLOT_POLL_NS = 128  # back-off between polls of an empty slot (a poll's L2 round trip: ~500 ns)
 
 
 @cute.jit

@@ -530,7 +530,8 @@ class GroupedStreamKernel(GemvKernel):
     """
 
     WIDE_RUNS = True  # its unit count depends on the routing
-    # Runs cross strips here: an owner waiting for its strip would hold up its next one.
+    # Not yet on the polled hand-over: an owner's sum needs the strip's epilogue from the slot
+    # table (gather_owned_strips takes the GEMV's), and its 8-row slots allow 2 per round.
     POLLED_HANDOVER = False
     REGISTER_LOOKUP_QUADS = 1  # k = 5: one quad per CTA (measured with it)
 
