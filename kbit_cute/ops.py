@@ -295,17 +295,6 @@ def gemv_splits(N: int, K: int, sm_count: int, m_bucket: int = 1) -> int:
     return 1 << (max(want, 1).bit_length() - 1)
 
 
-def gemv_next_early(N: int, K: int, k: int, l2_bytes: int | None) -> bool:
-    """Whether the GEMV lets the next launch in before its split-K gather rather than after
-    (the kernel's ``next_early``): for weights over the L2. Measured (alternating, twice,
-    k = 2..5, M = 1, 4): 8192x28672 2-5% faster (k = 5 ~1%), 4096x14336 and 14336x4096
-    within +-2%, 2048x512 to 4096x2048 up to 8% slower (a short kernel's tail is where the
-    next launch's L2 prefetch lands)."""
-    from .gemm_dispatch import weight_over_l2
-
-    return weight_over_l2(N, K, k, l2_bytes)
-
-
 def gemv_grid(k: int, m_bucket: int, dtype: torch.dtype, N: int, K: int, sm_count: int,
               workers: int | None = None) -> tuple[int, int]:  # fmt: skip
     """(workers, CTAs) of the GEMV variant (k, m bucket, dtype) on a weight [N, K]."""
@@ -407,12 +396,10 @@ class _GemvPlan:
     stream split-K scratch big enough for every M."""
 
     __slots__ = ("k", "N", "K", "dtype", "words", "codes", "bias_shape", "strips", "grids")
-    __slots__ += ("ws_elems", "by_m", "scratch", "next_early")
+    __slots__ += ("ws_elems", "by_m", "scratch")
 
-    def __init__(self, k: int, N: int, K: int, dtype: torch.dtype, sm_count: int,
-                 l2_bytes: int | None = None):  # fmt: skip
+    def __init__(self, k: int, N: int, K: int, dtype: torch.dtype, sm_count: int):
         self.k, self.N, self.K, self.dtype = k, N, K, dtype
-        self.next_early = int(gemv_next_early(N, K, k, l2_bytes))
         self.words = tiled_sizes(k, N, K)[0]
         self.codes = 1 << k
         self.bias_shape = torch.Size((N,))
@@ -534,11 +521,10 @@ def _gemm_impl(A, packed, absmax, codebook, scale, k, N, K, bias=None, out=None)
     try:
         fn(
             A, packed, absmax, codebook, scale, out if bias is None else bias, out, scratch[0],
-            scratch[1], M, N, K, workers, ctas, 0 if bias is None else 1, plan.next_early,
-            stream,
+            scratch[1], M, N, K, workers, ctas, 0 if bias is None else 1, stream,
         )  # fmt: skip
     except MisalignedError:
-        grid = (workers, ctas, plan.next_early)
+        grid = (workers, ctas)
         args = (packed, absmax, codebook, scale, bias, out, scratch, M, N, K, grid, stream)
         _launch_gemv(fn, A.clone(memory_format=torch.contiguous_format), *args)
     return out
@@ -629,9 +615,7 @@ def _plan(packed, absmax, codebook, scale, k, N, K, dev: int, dtype) -> _GemvPla
         check_weight(packed, absmax, codebook, scale, k, N, K)
         props = _device.check_device(dev)
         if plan is None:
-            plan = _gemv_plans[(k, N, K, dev, dtype)] = _GemvPlan(
-                k, N, K, dtype, props.sm_count, props.l2_bytes
-            )
+            plan = _gemv_plans[(k, N, K, dev, dtype)] = _GemvPlan(k, N, K, dtype, props.sm_count)
     return plan
 
 
@@ -649,7 +633,6 @@ def _gemv_launch(A, packed, absmax, codebook, scale, k, N, K, bias, out, M, work
     if workers:
         sm_count = _device.check_device(dev).sm_count
         grid = gemv_grid(k, _M_BUCKET[M], A.dtype, N, K, sm_count, workers)
-    grid = (*grid, plan.next_early)
     stream = _raw_stream(dev)
     ws_elems = _ws_elems(grid[0], _M_BUCKET[M])
     scratch = _split_scratch(dev, stream, ws_elems, plan.strips, empty_slots=True)
@@ -670,11 +653,10 @@ def _gemv_launch(A, packed, absmax, codebook, scale, k, N, K, bias, out, M, work
 
 
 def _launch_gemv(fn, A, packed, absmax, codebook, scale, bias, out, scratch, M, N, K, grid, stream):
-    """``grid``: (workers, CTAs, next_early)."""
     has_bias = bias is not None
     fn(
         A, packed, absmax, codebook, scale, bias if has_bias else out, out, scratch[0],
-        scratch[1], M, N, K, *grid[:2], int(has_bias), grid[2], stream,
+        scratch[1], M, N, K, *grid, int(has_bias), stream,
     )  # fmt: skip
 
 

@@ -19,7 +19,7 @@ from kbit_cute.compile import launcher
 from kbit_cute.format import dequantize as dequantize_reference
 from kbit_cute.format import quantize
 from kbit_cute.kernels.gemv import _DTYPES, COLS_PER_GROUP, GemvKernel, gemv_spec
-from kbit_cute.ops import _M_BUCKET, gemv_next_early, kernel_grid
+from kbit_cute.ops import _M_BUCKET, kernel_grid
 from perf.common import copies_for, graph_time_us, read_bandwidth_gbs
 
 _NAMES = {torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -44,10 +44,10 @@ def grid_for(qw, M, dtype, workers, stages=None, lookup=None, quads=None) -> tup
     return kernel_grid(kern, qw.N, qw.K, sm_count, n)
 
 
-def run_gemv(A, qw, out, workers="auto", stages=None, lookup=None, quads=None, next_early=None):
+def run_gemv(A, qw, out, workers="auto", stages=None, lookup=None, quads=None):
     """One GEMV launch with an explicit stream-K grid (``grid_for``) and kernel variant (ring
     depth, lookup, quads per CTA) through the library's launcher; the workspace is this
-    script's own. ``next_early``: the kernel's flag (None: the library's rule)."""
+    script's own."""
     global _ws, _counters
     M = A.shape[0]
     m = _M_BUCKET[M]
@@ -59,11 +59,8 @@ def run_gemv(A, qw, out, workers="auto", stages=None, lookup=None, quads=None, n
             torch.float32
         )  # EMPTY_SLOT
         _counters = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
-    if next_early is None:
-        l2_bytes = torch.cuda.get_device_properties(A.device).L2_cache_size
-        next_early = gemv_next_early(qw.N, qw.K, qw.k, l2_bytes)
     fn(A, qw.packed, qw.absmax, qw.codebook, qw.scale, out, out, _ws, _counters,
-       M, qw.N, qw.K, n, ctas, 0, int(next_early))  # fmt: skip
+       M, qw.N, qw.K, n, ctas, 0)  # fmt: skip
 
 
 def check(variants=((None, None),)) -> list:

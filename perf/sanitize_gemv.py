@@ -1,6 +1,5 @@
 """One GEMV call per k (stream-K runs that end inside column tiles, so the split-K slots
-and the owners' polling are exercised, with the next launch let in after the gather and
-before it), for
+and the owners' polling are exercised), for
 ``compute-sanitizer --tool memcheck|racecheck python -m perf.sanitize_gemv``."""
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ def main() -> None:
             kbit_cute.dequantize(qw, dtype)
             if k <= 4:  # the register lookup of single-quad CTAs (the grouped kernel's)
                 run_gemv(A, qw, out, 13, None, LOOKUP[k], 1)
-            run_gemv(A, qw, out, 13, next_early=True)  # the next launch let in before the gather
     torch.cuda.synchronize()
     print("sanitize_gemv: done")
 

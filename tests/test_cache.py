@@ -173,7 +173,7 @@ def test_unusable_cache_dir_falls_back_to_memory(tmp_path, monkeypatch, caplog):
 def test_kernel_params_follow_the_signature_and_fake_pointers():
     params = kc.kernel_params(gemv_spec(4, 1, "f16"))
     names = [p.name for p in params]
-    assert names[:3] == ["pA", "pPacked", "pAbsmax"] and names[-2:] == ["has_bias", "next_early"]
+    assert names[:3] == ["pA", "pPacked", "pAbsmax"] and names[-1] == "has_bias"
     assert "stream" not in names
     kinds = {p.name: (p.kind, p.align, p.dtype) for p in params}
     assert kinds["pA"] == ("ptr", 16, torch.float16)

@@ -272,20 +272,13 @@ def test_cuda_dispatch_passes_the_kernel_arguments_in_order(M, bias, fake_gpu, g
         assert args[0] % 16 == 0 and args[0] != A.data_ptr()
         assert args[1:5] == tuple(t.data_ptr() for t in wargs(w)[:4])
         assert args[5] == (b.data_ptr() if bias else out.data_ptr()) and args[6] == out.data_ptr()
-        assert args[9:] == (M, N, K, workers, ctas, int(bias), 0, 1234)  # 0: fits the L2
+        assert args[9:] == (M, N, K, workers, ctas, int(bias), 1234)
         state = ops._split_states[(7, 1234)]
         assert args[7] == state.slots.data_ptr() and args[8] == state.counters.data_ptr()
         assert state.slots.numel() >= 2 * workers * m_bucket * 128
         assert (state.slots.view(torch.int32) == -1).all()  # EMPTY_SLOT: what the owner polls
         assert state.counters.numel() >= N // 32 and not state.counters.any()
     assert list(ops._gemv_plans) == [(k, N, K, 7, dtype)]
-
-
-def test_gemv_lets_the_next_launch_in_early_only_for_weights_over_the_l2():
-    l2 = 50 << 20  # an H100's
-    assert all(ops.gemv_next_early(28672, 8192, k, l2) for k in (2, 3, 4, 5))
-    assert not any(ops.gemv_next_early(14336, 4096, k, l2) for k in (2, 3, 4, 5))
-    assert not ops.gemv_next_early(28672, 8192, 4, None)  # unknown L2: the safe order
 
 
 def test_hot_path_keeps_every_check(fake_gpu, gen):

@@ -277,7 +277,6 @@ class GemvKernel:
         workers: Int32,  # 1 <= workers <= column tiles x K tiles
         ctas: Int32,  # ctas x quads >= workers
         has_bias: Int32,
-        next_early: Int32,  # nonzero: the next launch may start before the split-K gather
         stream: cuda.CUstream,
     ):
         K = cute.assume(K, divby=BLOCK)
@@ -290,7 +289,7 @@ class GemvKernel:
         mWs = self.strip_workspace(pWorkspace, workers)
         self.kernel(
             mA, mW, mS, pCodebook, pScale, pBias, mOut, mWs, pCounters, n_tiles, k_tiles, workers,
-            has_bias, next_early,
+            has_bias,
         ).launch(**self.launch_options(ctas, stream))  # fmt: skip
 
     def strip_workspace(self, pWorkspace: cute.Pointer, workers) -> cute.Tensor:
@@ -326,7 +325,6 @@ class GemvKernel:
         k_tiles: Int32,
         workers: Int32,
         has_bias: Int32,
-        next_early: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -387,21 +385,19 @@ class GemvKernel:
                 self.finish_strip(
                     acc, epi, mWs, pCounters, nt, wn, t, slot, (units, workers, k_tiles)
                 )
-        # The next launch's CTAs may come in only after this CTA's K loops (resident early,
-        # they slowed the CTAs they shared an SM with: k = 5, 14336x4096, 23 -> 34 us), and
-        # with ``next_early`` before the split-K gather: its CTAs then land and prefetch
-        # while the owners wait for the others' partials (weights over the L2: 8192x28672
-        # 2-5% faster); smaller weights lost 1-8% by it (``ops.gemv_next_early``).
-        if next_early != 0:
-            self.let_next_start()
-        if cutlass.const_expr(self.POLLED_HANDOVER):
-            if worker < workers:
-                mBias = cute.make_tensor(pBias, cute.make_layout(mOut.shape[1]))
+            if cutlass.const_expr(self.POLLED_HANDOVER):
+                # The next launch may come in once the K loops are done, before the
+                # split-K gather: its CTAs land and prefetch while the owners wait for the
+                # others' partials (8192x28672 k = 2, 3 1.5-3% faster, other shapes within
+                # +-1%). Not during the K loops: resident early, they slowed the CTAs they
+                # shared an SM with (k = 5, 14336x4096: 23 -> 34 us).
+                self.let_next_start()
                 self.gather_owned_strips(
                     worker, (pScale, mBias, mOut, has_bias), mWs, wn, (units, workers, k_tiles)
                 )
-        if next_early == 0:
-            self.let_next_start()
+        # The CTA's first signal is the one that counts (later ones are no-ops); warps
+        # without a worker give theirs here.
+        self.let_next_start()
 
     @cute.jit
     def prime_first_strip(self, mA, mW, mS, ring, rows, col0, run, busy):
@@ -1127,7 +1123,7 @@ def gemv_spec(
             fake_ptr(dt), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Uint8),
             fake_ptr(cutlass.Float32), fake_ptr(cutlass.Float32, 4), fake_ptr(dt, 2),
             fake_ptr(dt, 2), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int32, 4),
-            Int32(1), Int32(1), Int32(32), Int32(1), Int32(1), Int32(0), Int32(0), fake_stream(),
+            Int32(1), Int32(1), Int32(32), Int32(1), Int32(1), Int32(0), fake_stream(),
         )  # fmt: skip
         return GemvKernel(k, m, dt, stages, lookup, quads), args
 
