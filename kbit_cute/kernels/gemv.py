@@ -43,8 +43,8 @@ the quads of a CTA (up to 7, one CTA per SM).
 Launch (sm_90): programmatic dependent launch hides the launch behind the previous kernel's
 tail; meanwhile multi-quad CTAs only pull their first K tiles into L2 (harmless), then the
 kernel waits for that kernel before any other memory access, starts its first copies, fills
-the pair table, and lets the next launch start only after its strips (earlier, the next
-grid's CTAs crowded SMs that still worked).
+the pair table, and lets the next launch start after its strips, before the split-K gather
+(earlier, the next grid's CTAs crowded SMs that still worked; a CTA's first signal counts).
 """
 
 from __future__ import annotations
