@@ -44,7 +44,7 @@ Launch (sm_90): programmatic dependent launch hides the launch behind the previo
 tail; meanwhile multi-quad CTAs only pull their first K tiles into L2 (harmless), then the
 kernel waits for that kernel before any other memory access, starts its first copies, fills
 the pair table, and lets the next launch start after its strips, before the split-K gather
-(earlier, the next grid's CTAs crowded SMs that still worked; a CTA's first signal counts).
+(a CTA's first signal counts: one with idle quads gives it at its start).
 """
 
 from __future__ import annotations
@@ -389,14 +389,16 @@ class GemvKernel:
                 # The next launch may come in once the K loops are done, before the
                 # split-K gather: its CTAs land and prefetch while the owners wait for the
                 # others' partials (8192x28672 k = 2, 3 1.5-3% faster, other shapes within
-                # +-1%). Not during the K loops: resident early, they slowed the CTAs they
-                # shared an SM with (k = 5, 14336x4096: 23 -> 34 us).
+                # +-1%).
                 self.let_next_start()
                 self.gather_owned_strips(
                     worker, (pScale, mBias, mOut, has_bias), mWs, wn, (units, workers, k_tiles)
                 )
-        # The CTA's first signal is the one that counts (later ones are no-ops); warps
-        # without a worker give theirs here.
+        # A CTA's first signal is the one that counts (later ones are no-ops). Warps without
+        # a worker give theirs here at once: in a CTA with idle quads, at the kernel's start.
+        # (The signal at the start in every CTA measured no better, perf/NOTES.md session 21;
+        # when CTAs of the next launch could share an SM with working ones, they slowed
+        # them: k = 5 with one-quad CTAs, 14336x4096, 23 -> 34 us.)
         self.let_next_start()
 
     @cute.jit
