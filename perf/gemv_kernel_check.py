@@ -18,6 +18,7 @@ from tabulate import tabulate
 from kbit_cute.compile import launcher
 from kbit_cute.format import dequantize as dequantize_reference
 from kbit_cute.format import quantize
+from kbit_cute.kernels.device_helpers import EMPTY_SLOT
 from kbit_cute.kernels.gemv import _DTYPES, COLS_PER_GROUP, GemvKernel, gemv_spec
 from kbit_cute.ops import _M_BUCKET, kernel_grid
 from perf.common import copies_for, graph_time_us, read_bandwidth_gbs
@@ -55,9 +56,9 @@ def run_gemv(A, qw, out, workers="auto", stages=None, lookup=None, quads=None):
     n, ctas = grid_for(qw, M, A.dtype, workers, stages, lookup, quads)
     need = 2 * n * m * COLS_PER_GROUP
     if _ws.numel() < need or _ws.device.type != "cuda":
-        _ws = torch.full((max(need, 1 << 22),), -1, dtype=torch.int32, device="cuda").view(
-            torch.float32
-        )  # EMPTY_SLOT
+        _ws = torch.full(
+            (max(need, 1 << 22),), EMPTY_SLOT, dtype=torch.int32, device="cuda"
+        ).view(torch.float32)
         _counters = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
     fn(A, qw.packed, qw.absmax, qw.codebook, qw.scale, out, out, _ws, _counters,
        M, qw.N, qw.K, n, ctas, 0)  # fmt: skip
