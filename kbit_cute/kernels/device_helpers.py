@@ -93,39 +93,59 @@ def field_bits(k: int, min_width: int = 1) -> int:
     return max(min_width, 2 if k <= 2 else 4 if k <= 4 else 8)
 
 
-def planes_to_fields(planes: list, k: int, min_width: int = 1) -> list[tuple]:
+def planes_to_fields(
+    planes: list, k: int, min_width: int = 1, zero_fill: bool = True,
+    select_widths: tuple = (1, 2, 4),
+) -> list[tuple]:  # fmt: skip
     """k plane words of a block -> [(word, elements)]: ``elements[f]`` is the element whose
     index occupies field f (bits f*W .. f*W+k-1, W = ``field_bits(k, min_width)``) of
-    ``word``; the bits of a field above the index are zero.
+    ``word``; the bits of a field above the index are zero, or with ``zero_fill=False``
+    whatever is cheapest (for lookups that ignore them: shuffles, the pair and quad tables,
+    whose rows repeat the codebook modulo 2^k; not byte-select tables). Merges of w-bit
+    fields for w in ``select_widths`` are one bit-select each (``bit_select``), the others
+    two ANDs and an OR that ptxas schedules itself (a knob for register allocation only).
 
     Works on traced Uint32 values (in a kernel) and on Python ints (host tests) alike;
     the element bookkeeping is plain Python, fixed at trace time.
     """
     padded = list(planes[:k]) + [None] * (field_bits(k, min_width) - k)  # zero planes up to W
-    return _merge_fields(padded)
+    return _merge_fields(padded, zero_fill, select_widths)
 
 
-def _merge_fields(planes: list) -> list[tuple]:
+def _merge_fields(planes: list, zero_fill: bool, select_widths: tuple) -> list[tuple]:
     if len(planes) == 1:
         return [(planes[0], list(range(32)))]
     half = len(planes) // 2
-    low, high = _merge_fields(planes[:half]), _merge_fields(planes[half:])
+    low = _merge_fields(planes[:half], zero_fill, select_widths)
+    high = _merge_fields(planes[half:], zero_fill, select_widths)
     out = []
     for (x, elems), (y, _) in zip(low, high, strict=True):
-        lo, hi = _merge_pair(x, y, half)
+        lo, hi = _merge_pair(x, y, half, zero_fill, half in select_widths)
         out += [(lo, elems[0::2]), (hi, elems[1::2])]
     return out
 
 
-def _merge_pair(x, y, w: int):
-    """Two words of w-bit fields -> (even fields, odd fields) as 2w-bit fields, x low."""
+def _merge_pair(x, y, w: int, zero_fill: bool, select: bool):
+    """Two words of w-bit fields -> (even fields, odd fields) as 2w-bit fields, x low (y
+    None: a zero plane; without ``zero_fill`` its bits are left to x's neighbours)."""
     mask = _FIELD_MASK[w]
     if x is None:
         return None, None
     if y is None:
-        return x & mask, (x >> w) & mask
+        return (x & mask, (x >> w) & mask) if zero_fill else (x, x >> w)
+    if select:
+        return bit_select(mask, x, y << w), bit_select(mask, x >> w, y)
     inv = ~mask & 0xFFFFFFFF
     return (x & mask) | ((y << w) & inv), ((x >> w) & mask) | (y & inv)
+
+
+def bit_select(mask: int, x, y):
+    """(x & mask) | (y & ~mask): one LOP3 with the mask as its immediate (written as two
+    ANDs and an OR, ptxas kept an AND of its own for each side). Python ints too."""
+    if isinstance(x, int) and isinstance(y, int):
+        return (x & mask) | (y & ~mask & 0xFFFFFFFF)
+    # lut 0xE4 = (a & c) | (b & ~c) for a = x, b = y, c = mask
+    return _asm_u32(f"lop3.b32 $0, $1, $2, {mask:#x}, 0xe4;", x, y)
 
 
 # ----------------------------------------------------------------------------- 16-bit pairs

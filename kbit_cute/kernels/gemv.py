@@ -116,6 +116,11 @@ CHUNK_WORDS = 4  # one cp.async moves 16 bytes
 # Partials a lane loads per round of the split-K reduction (``reduce_strip``): each round is
 # an L2 round trip, so rows x workers per round as large as registers allow.
 REDUCE_LOADS = 32
+# Plane merges done as one bit-select each (``planes_to_fields``): k = 2 / 3 / 4 152 -> 148,
+# 208 -> 194, 210 -> 194 SASS instructions per K tile (M = 1). Not k = 5: with them, at any
+# width, the grouped gate/up kernel spilled at 80 registers (and the M = 1 GEMV at 72 with
+# w = 2), though they took its K loop from 384 to 349-379.
+SELECT_WIDTHS = {2: (1, 2, 4), 3: (1, 2, 4), 4: (1, 2, 4), 5: ()}
 # Slots an owner loads per polling round (``gather_strip``), by rows bucket m. Measured
 # (``perf.gemv_kernel_check``, 8 shapes, k = 2, 4, 5): 16 slot words per lane or fewer;
 # m = 4: 4 slots rather than 8 (14336x4096 k = 4 15.52 -> 14.88 us, 4096x2048 k = 2 6.10 ->
@@ -784,7 +789,7 @@ class GemvKernel:
             planes = [
                 prmt(Uint32(rW[b, 2 * r]), Uint32(rW[b, 2 * r + 1]), half_select) for b in range(k)
             ]
-            fields = planes_to_fields(planes, k, W)
+            fields = planes_to_fields(planes, k, W, self.byte_tables, SELECT_WIDTHS[k])
             pairs = _pairs_of(fields, W)  # [(word, (field, element) x 2)] per mma register
             if b_pairs is None:  # the activation pairs serve every row tile
                 b_pairs = [self.activation_pair(act, ea, eb) for _, (_, ea), (_, eb) in pairs]
