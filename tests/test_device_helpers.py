@@ -51,14 +51,14 @@ def test_gemv_lookups_give_the_mma_pairs(k, gen):
     second column's fields mirror the first's, and the lookup the kernel uses for this k
     (pair shuffle, quad table, byte tables or single shuffles) returns those positions'
     indices."""
-    from kbit_cute.kernels.gemv import SELECT_WIDTHS, THREAD_K, GemvKernel, _pairs_of
+    from kbit_cute.kernels.gemv import THREAD_K, GemvKernel, _pairs_of
 
     kern = GemvKernel(k, 1, None)
     W = kern.field_width
     idx = torch.randint(0, 1 << k, (1, 32), generator=gen, dtype=torch.uint8)
     planes = [int(w) & 0xFFFFFFFF for w in fmt.pack_bitplanes(idx, k).tolist()]
     idx = idx[0].tolist()
-    fields = planes_to_fields(planes, k, W, kern.byte_tables, SELECT_WIDTHS[k])  # as traced
+    fields = planes_to_fields(planes, k, W, kern.byte_tables, kern.SELECT_WIDTHS[k])  # as traced
     pairs = _pairs_of(fields, W)
     positions = sorted(e for _, (_, ea), (_, eb) in pairs for e in (ea, eb))
     assert positions == list(range(THREAD_K))

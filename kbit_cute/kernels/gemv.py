@@ -116,11 +116,6 @@ CHUNK_WORDS = 4  # one cp.async moves 16 bytes
 # Partials a lane loads per round of the split-K reduction (``reduce_strip``): each round is
 # an L2 round trip, so rows x workers per round as large as registers allow.
 REDUCE_LOADS = 32
-# Plane merges done as one bit-select each (``planes_to_fields``): k = 2 / 3 / 4 152 -> 148,
-# 208 -> 194, 210 -> 194 SASS instructions per K tile (M = 1). Not k = 5: with them, at any
-# width, the grouped gate/up kernel spilled at 80 registers (and the M = 1 GEMV at 72 with
-# w = 2), though they took its K loop from 384 to 349-379.
-SELECT_WIDTHS = {2: (1, 2, 4), 3: (1, 2, 4), 4: (1, 2, 4), 5: ()}
 # Slots an owner loads per polling round (``gather_strip``), by rows bucket m. Measured
 # (``perf.gemv_kernel_check``, 8 shapes, k = 2, 4, 5): 16 slot words per lane or fewer;
 # m = 4: 4 slots rather than 8 (14336x4096 k = 4 15.52 -> 14.88 us, 4096x2048 k = 2 6.10 ->
@@ -160,6 +155,11 @@ class GemvKernel:
     REAL_ROWS_ONLY = True
     # Stream-K run bounds in 64-bit arithmetic (``run_start``); the GEMV's fit 32 bits.
     WIDE_RUNS = False
+    # Field widths whose plane merges are one bit-select each (``planes_to_fields``; the
+    # others two ANDs and an OR): k = 2 / 3 / 4 152 -> 148, 208 -> 194, 210 -> 194 SASS
+    # instructions per K tile (M = 1), k = 5 384 -> 354; k = 5 at w = 2 made the M = 1
+    # variant spill at 72 registers (349 instructions).
+    SELECT_WIDTHS = {2: (1, 2, 4), 3: (1, 2, 4), 4: (1, 2, 4), 5: (1, 4)}
     # Split-K hand-over (``finish_strip``): the strip's owner polls the others' slots (its
     # workspace holds EMPTY_SLOT words between calls), or the counter's last arrival sums.
     POLLED_HANDOVER = True
@@ -789,7 +789,7 @@ class GemvKernel:
             planes = [
                 prmt(Uint32(rW[b, 2 * r]), Uint32(rW[b, 2 * r + 1]), half_select) for b in range(k)
             ]
-            fields = planes_to_fields(planes, k, W, self.byte_tables, SELECT_WIDTHS[k])
+            fields = planes_to_fields(planes, k, W, self.byte_tables, self.SELECT_WIDTHS[k])
             pairs = _pairs_of(fields, W)  # [(word, (field, element) x 2)] per mma register
             if b_pairs is None:  # the activation pairs serve every row tile
                 b_pairs = [self.activation_pair(act, ea, eb) for _, (_, ea), (_, eb) in pairs]
