@@ -359,8 +359,10 @@ def _pair_bits(plane, t, to_bit: int, mask: int):
     lands at bits 8c + to_bit, + 1; then ``mask``. One SHF and one LOP3 (the mask and the
     caller's OR). Host ints when ``t`` is an int (the host tests run this same code)."""
     if isinstance(t, int):
-        return _rotr_host(plane, (2 * t - to_bit) & 31) & mask
-    return rotr(Uint32(plane), (t * 2 + (32 - to_bit)) & 31) & Uint32(mask)
+        rotated = _rotr_host(plane, (2 * t - to_bit) & 31)
+        return rotated if mask is None else rotated & mask
+    rotated = rotr(Uint32(plane), (t * 2 + (32 - to_bit)) & 31)
+    return rotated if mask is None else rotated & Uint32(mask)
 
 
 def _prmt4(a, b, selectors: list, t) -> list:
@@ -405,10 +407,18 @@ def pair_row_offsets(planes: list, t, k: int, lane4) -> list:
     more: plane b rotated right by 2t - 2b puts pair c's bits at 2b, 2b + 1 of byte c (p
     whole in byte c), and the PRMT takes byte 0 from ``lane4`` (4 x lane, < 128: its sign
     fills bytes 2, 3 with zeros) and byte 1 from byte c."""
-    lo = None
-    for b in range(k):
-        term = _pair_bits(planes[b], t, 2 * b, _PAIR_MASK << (2 * b))
-        lo = term if lo is None else lo | term
+    if k == 4:
+        # The four planes' bits fill every byte: a chain of bit-selects needs no mask of its
+        # own (k LOP3 -> k - 1).
+        lo = _pair_bits(planes[0], t, 0, None)
+        for b in range(1, k):
+            below = 0x01010101 * ((1 << 2 * b) - 1)  # the slots of planes < b in each byte
+            lo = bit_select(below, lo, _pair_bits(planes[b], t, 2 * b, None))
+    else:
+        lo = None
+        for b in range(k):
+            term = _pair_bits(planes[b], t, 2 * b, _PAIR_MASK << (2 * b))
+            lo = term if lo is None else lo | term
     return _prmt4(lo, lane4, [4 | (c << 4) | (0xC << 8) | (0xC << 12) for c in range(4)], t)
 
 
