@@ -8,20 +8,37 @@ from kbit_cute.kernels import device_helpers as dh
 from kbit_cute.kernels.device_helpers import field_bits, planes_to_fields
 
 
+@pytest.mark.parametrize("select_widths", [(), (1, 2, 4), (1,)])
+@pytest.mark.parametrize("zero_fill", [True, False])
 @pytest.mark.parametrize("k", (2, 3, 4, 5))
-def test_fields_give_every_index_to_a_shuffle(k, gen):
+def test_fields_give_every_index_to_a_shuffle(k, zero_fill, select_widths, gen):
+    """Every element's index in the low k bits of its field (shfl.idx reads bits 4:0 of its
+    lane operand, lanes hold codebook[lane % 2^k]); with ``zero_fill`` the bits above it are
+    zero. The bit-select merges give the same words as the and-or ones."""
     idx = torch.randint(0, 1 << k, (50, 32), generator=gen, dtype=torch.uint8)
     packed = fmt.pack_bitplanes(idx, k).view(50, k)
     width = field_bits(k)
     for b in range(50):
         planes = [int(w) & 0xFFFFFFFF for w in packed[b].tolist()]
         seen = []
-        for word, elems in planes_to_fields(planes, k):
+        fields = planes_to_fields(planes, k, 1, zero_fill, select_widths)
+        assert [w for w, _ in fields] == [
+            w for w, _ in planes_to_fields(planes, k, 1, zero_fill, ())
+        ]
+        for word, elems in fields:
             for f, j in enumerate(elems):
                 lane = (word >> (f * width)) & 31  # what shfl.idx reads of its lane operand
                 assert lane % (1 << k) == idx[b, j].item(), (k, b, j)
+                if zero_fill:
+                    assert (word >> (f * width)) & ((1 << width) - 1) == idx[b, j].item()
                 seen.append(j)
         assert sorted(seen) == list(range(32))
+
+
+def test_bit_select_takes_each_bit_from_one_side():
+    x, y, mask = 0x1234_5678, 0x9ABC_DEF0, 0x0F0F_0F0F
+    assert dh.bit_select(mask, x, y) == 0x92B4_D6F8
+    assert dh.bit_select(0xFFFF_FFFF, x, y) == x and dh.bit_select(0, x, y) == y
 
 
 _prmt = dh._prmt_host  # host model of prmt.b32, shared with the GEMM's tests
@@ -41,7 +58,7 @@ def test_gemv_lookups_give_the_mma_pairs(k, gen):
     idx = torch.randint(0, 1 << k, (1, 32), generator=gen, dtype=torch.uint8)
     planes = [int(w) & 0xFFFFFFFF for w in fmt.pack_bitplanes(idx, k).tolist()]
     idx = idx[0].tolist()
-    fields = planes_to_fields(planes, k, W)
+    fields = planes_to_fields(planes, k, W, kern.byte_tables, kern.SELECT_WIDTHS[k])  # as traced
     pairs = _pairs_of(fields, W)
     positions = sorted(e for _, (_, ea), (_, eb) in pairs for e in (ea, eb))
     assert positions == list(range(THREAD_K))

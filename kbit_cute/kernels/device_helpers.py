@@ -93,39 +93,59 @@ def field_bits(k: int, min_width: int = 1) -> int:
     return max(min_width, 2 if k <= 2 else 4 if k <= 4 else 8)
 
 
-def planes_to_fields(planes: list, k: int, min_width: int = 1) -> list[tuple]:
+def planes_to_fields(
+    planes: list, k: int, min_width: int = 1, zero_fill: bool = True,
+    select_widths: tuple = (1, 2, 4),
+) -> list[tuple]:  # fmt: skip
     """k plane words of a block -> [(word, elements)]: ``elements[f]`` is the element whose
     index occupies field f (bits f*W .. f*W+k-1, W = ``field_bits(k, min_width)``) of
-    ``word``; the bits of a field above the index are zero.
+    ``word``; the bits of a field above the index are zero, or with ``zero_fill=False``
+    whatever is cheapest (for lookups that ignore them: shuffles, the pair and quad tables,
+    whose rows repeat the codebook modulo 2^k; not byte-select tables). Merges of w-bit
+    fields for w in ``select_widths`` are one bit-select each (``bit_select``), the others
+    two ANDs and an OR that ptxas schedules itself (a knob for register allocation only).
 
     Works on traced Uint32 values (in a kernel) and on Python ints (host tests) alike;
     the element bookkeeping is plain Python, fixed at trace time.
     """
     padded = list(planes[:k]) + [None] * (field_bits(k, min_width) - k)  # zero planes up to W
-    return _merge_fields(padded)
+    return _merge_fields(padded, zero_fill, select_widths)
 
 
-def _merge_fields(planes: list) -> list[tuple]:
+def _merge_fields(planes: list, zero_fill: bool, select_widths: tuple) -> list[tuple]:
     if len(planes) == 1:
         return [(planes[0], list(range(32)))]
     half = len(planes) // 2
-    low, high = _merge_fields(planes[:half]), _merge_fields(planes[half:])
+    low = _merge_fields(planes[:half], zero_fill, select_widths)
+    high = _merge_fields(planes[half:], zero_fill, select_widths)
     out = []
     for (x, elems), (y, _) in zip(low, high, strict=True):
-        lo, hi = _merge_pair(x, y, half)
+        lo, hi = _merge_pair(x, y, half, zero_fill, half in select_widths)
         out += [(lo, elems[0::2]), (hi, elems[1::2])]
     return out
 
 
-def _merge_pair(x, y, w: int):
-    """Two words of w-bit fields -> (even fields, odd fields) as 2w-bit fields, x low."""
+def _merge_pair(x, y, w: int, zero_fill: bool, select: bool):
+    """Two words of w-bit fields -> (even fields, odd fields) as 2w-bit fields, x low (y
+    None: a zero plane; without ``zero_fill`` its bits are left to x's neighbours)."""
     mask = _FIELD_MASK[w]
     if x is None:
         return None, None
     if y is None:
-        return x & mask, (x >> w) & mask
+        return (x & mask, (x >> w) & mask) if zero_fill else (x, x >> w)
+    if select:
+        return bit_select(mask, x, y << w), bit_select(mask, x >> w, y)
     inv = ~mask & 0xFFFFFFFF
     return (x & mask) | ((y << w) & inv), ((x >> w) & mask) | (y & inv)
+
+
+def bit_select(mask: int, x, y):
+    """(x & mask) | (y & ~mask): one LOP3 with the mask as its immediate (written as two
+    ANDs and an OR, ptxas kept an AND of its own for each side). Python ints too."""
+    if isinstance(x, int) and isinstance(y, int):
+        return (x & mask) | (y & ~mask & 0xFFFFFFFF)
+    # lut 0xE4 = (a & c) | (b & ~c) for a = x, b = y, c = mask
+    return _asm_u32(f"lop3.b32 $0, $1, $2, {mask:#x}, 0xe4;", x, y)
 
 
 # ----------------------------------------------------------------------------- 16-bit pairs
@@ -339,8 +359,10 @@ def _pair_bits(plane, t, to_bit: int, mask: int):
     lands at bits 8c + to_bit, + 1; then ``mask``. One SHF and one LOP3 (the mask and the
     caller's OR). Host ints when ``t`` is an int (the host tests run this same code)."""
     if isinstance(t, int):
-        return _rotr_host(plane, (2 * t - to_bit) & 31) & mask
-    return rotr(Uint32(plane), (t * 2 + (32 - to_bit)) & 31) & Uint32(mask)
+        rotated = _rotr_host(plane, (2 * t - to_bit) & 31)
+        return rotated if mask is None else rotated & mask
+    rotated = rotr(Uint32(plane), (t * 2 + (32 - to_bit)) & 31)
+    return rotated if mask is None else rotated & Uint32(mask)
 
 
 def _prmt4(a, b, selectors: list, t) -> list:
@@ -385,10 +407,18 @@ def pair_row_offsets(planes: list, t, k: int, lane4) -> list:
     more: plane b rotated right by 2t - 2b puts pair c's bits at 2b, 2b + 1 of byte c (p
     whole in byte c), and the PRMT takes byte 0 from ``lane4`` (4 x lane, < 128: its sign
     fills bytes 2, 3 with zeros) and byte 1 from byte c."""
-    lo = None
-    for b in range(k):
-        term = _pair_bits(planes[b], t, 2 * b, _PAIR_MASK << (2 * b))
-        lo = term if lo is None else lo | term
+    if k == 4:
+        # The four planes' bits fill every byte: a chain of bit-selects needs no mask of its
+        # own (k LOP3 -> k - 1).
+        lo = _pair_bits(planes[0], t, 0, None)
+        for b in range(1, k):
+            below = 0x01010101 * ((1 << 2 * b) - 1)  # the slots of planes < b in each byte
+            lo = bit_select(below, lo, _pair_bits(planes[b], t, 2 * b, None))
+    else:
+        lo = None
+        for b in range(k):
+            term = _pair_bits(planes[b], t, 2 * b, _PAIR_MASK << (2 * b))
+            lo = term if lo is None else lo | term
     return _prmt4(lo, lane4, [4 | (c << 4) | (0xC << 8) | (0xC << 12) for c in range(4)], t)
 
 

@@ -155,6 +155,11 @@ class GemvKernel:
     REAL_ROWS_ONLY = True
     # Stream-K run bounds in 64-bit arithmetic (``run_start``); the GEMV's fit 32 bits.
     WIDE_RUNS = False
+    # Field widths whose plane merges are one bit-select each (``planes_to_fields``; the
+    # others two ANDs and an OR): k = 2 / 3 / 4 152 -> 148, 208 -> 194, 210 -> 194 SASS
+    # instructions per K tile (M = 1), k = 5 384 -> 354; k = 5 at w = 2 made the M = 1
+    # variant spill at 72 registers (349 instructions).
+    SELECT_WIDTHS = {2: (1, 2, 4), 3: (1, 2, 4), 4: (1, 2, 4), 5: (1, 4)}
     # Split-K hand-over (``finish_strip``): the strip's owner polls the others' slots (its
     # workspace holds EMPTY_SLOT words between calls), or the counter's last arrival sums.
     POLLED_HANDOVER = True
@@ -784,7 +789,7 @@ class GemvKernel:
             planes = [
                 prmt(Uint32(rW[b, 2 * r]), Uint32(rW[b, 2 * r + 1]), half_select) for b in range(k)
             ]
-            fields = planes_to_fields(planes, k, W)
+            fields = planes_to_fields(planes, k, W, self.byte_tables, self.SELECT_WIDTHS[k])
             pairs = _pairs_of(fields, W)  # [(word, (field, element) x 2)] per mma register
             if b_pairs is None:  # the activation pairs serve every row tile
                 b_pairs = [self.activation_pair(act, ea, eb) for _, (_, ea), (_, eb) in pairs]
