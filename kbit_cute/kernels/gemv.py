@@ -158,8 +158,11 @@ class GemvKernel:
     # Field widths whose plane merges are one bit-select each (``planes_to_fields``; the
     # others two ANDs and an OR): k = 2 / 3 / 4 152 -> 148, 208 -> 194, 210 -> 194 SASS
     # instructions per K tile (M = 1), k = 5 384 -> 354; k = 5 at w = 2 made the M = 1
-    # variant spill at 72 registers (349 instructions).
+    # variant spill at 72 registers (349 instructions). Measured (H100, session 22): k = 3..5
+    # at M = 1 2-8% faster, k = 4 at M = 4 1-3%; k = 5 at M >= 4 took its selects 2-5%
+    # slower (``SELECT_WIDTHS_WIDE_M`` overrides them there: none).
     SELECT_WIDTHS = {2: (1, 2, 4), 3: (1, 2, 4), 4: (1, 2, 4), 5: (1, 4)}
+    SELECT_WIDTHS_WIDE_M = {5: ()}
     # Split-K hand-over (``finish_strip``): the strip's owner polls the others' slots (its
     # workspace holds EMPTY_SLOT words between calls), or the counter's last arrival sums.
     POLLED_HANDOVER = True
@@ -205,6 +208,9 @@ class GemvKernel:
         self.table = self.lookup in TABLE_ENTRY_BYTES  # a shared-memory table per CTA
         min_width = {"byte_tables": 4, "pair_table": 4, "quad_table": 2}.get(self.lookup, 1)
         self.field_width = field_bits(k, min_width)
+        self.select_widths = self.SELECT_WIDTHS[k]
+        if m >= 4:
+            self.select_widths = self.SELECT_WIDTHS_WIDE_M.get(k, self.select_widths)
         # Workers (quads of 4 column warps) per CTA. The 64 KB pair table is shared by as
         # many quads as the shared memory of an SM holds besides it, up to 7 (at 8, 64
         # registers, it spilled). Register lookups (k = 5) on sm_90: 7 quads as well, one CTA
@@ -789,7 +795,7 @@ class GemvKernel:
             planes = [
                 prmt(Uint32(rW[b, 2 * r]), Uint32(rW[b, 2 * r + 1]), half_select) for b in range(k)
             ]
-            fields = planes_to_fields(planes, k, W, self.byte_tables, self.SELECT_WIDTHS[k])
+            fields = planes_to_fields(planes, k, W, self.byte_tables, self.select_widths)
             pairs = _pairs_of(fields, W)  # [(word, (field, element) x 2)] per mma register
             if b_pairs is None:  # the activation pairs serve every row tile
                 b_pairs = [self.activation_pair(act, ea, eb) for _, (_, ea), (_, eb) in pairs]
