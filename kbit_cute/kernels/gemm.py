@@ -224,6 +224,11 @@ _DTYPES = {"f16": cutlass.Float16, "bf16": cutlass.BFloat16}
 class GemmKernel:
     """mma.sync GEMM over a kbit weight. Compile-time config: ``k``, dtype name, ``GemmConfig``."""
 
+    # Where the kernel lets the next launch in (programmatic dependent launch, sm_90):
+    # "start" (right after its own wait: its CTAs then wait beside this grid's) or "end"
+    # (at exit, as without it).
+    PDL_SIGNAL = "start"
+
     def __init__(self, k: int, dtype: str, config: GemmConfig):
         problems = GemmKernel.problems(k, dtype, config)
         if problems:
@@ -238,6 +243,8 @@ class GemmKernel:
         self.ks = config.tile_k // 16  # k16 MMA steps per k-slice
         self.nj = config.tile_n // (8 * config.warps_n)  # n8 MMA tiles per warp (reps)
         self.tile_words = _TILE_WORDS_PER_K * k  # int32 words of one repack tile
+        # Programmatic dependent launch (sm_90): the launch overlaps the kernel before.
+        self.pdl = target_arch_family() == "sm_90"
 
     def min_ctas_per_sm(self) -> int:
         """``min_blocks_per_mp`` of the launch (0: the compiler's choice). Warp tiles of 64
@@ -296,6 +303,7 @@ class GemmKernel:
         ).launch(
             grid=[workers, 1, 1], block=[self.threads, 1, 1], stream=stream,
             min_blocks_per_mp=self.min_ctas_per_sm(), preferred_smem_carveout=-1,
+            use_pdl=self.pdl,
         )  # fmt: skip
 
     # ------------------------------------------------------------------------- device
@@ -322,6 +330,13 @@ class GemmKernel:
     ):
         cfg = self.cfg
         worker, _, _ = cute.arch.block_idx()
+        if cutlass.const_expr(self.pdl):
+            # Launched while the kernel before may still run (programmatic dependent
+            # launch): wait for it before any memory access (A, the codebook, the split-K
+            # scratch may be its outputs).
+            cute.arch.griddepcontrol_wait()
+            if cutlass.const_expr(self.PDL_SIGNAL == "start"):
+                cute.arch.griddepcontrol_launch_dependents()
         # Stream-K: the (output tile, K slice) units, K slices fastest and output tiles m
         # fastest (the CTAs that share a weight tile run together: one HBM read), are split
         # into ``workers`` equal runs, one per CTA. A run covers the end of one tile, whole
