@@ -71,9 +71,11 @@ from .device_helpers import (
     codebook_x2_lane,
     codebook_x2_pairs,
     cp_async_chunk,
+    empty_slot_words,
     field_bits,
     handover_owner,
     load_slot,
+    load_slot_words,
     mul_x2,
     nanosleep,
     pair_selector,
@@ -166,6 +168,10 @@ class GemvKernel:
     # Split-K hand-over (``finish_strip``): the strip's owner polls the others' slots (its
     # workspace holds EMPTY_SLOT words between calls), or the counter's last arrival sums.
     POLLED_HANDOVER = True
+    # A slot keeps a column's rows together (word column * m + row): the owner loads a slot's
+    # m rows at once (M = 4: one 16-byte load where it took four). Off: row-major slots,
+    # whose row-by-row loads across the lanes coalesce (``reduce_strip``).
+    SLOT_ROWS_INNER = True
 
     def __init__(
         self,
@@ -305,11 +311,11 @@ class GemvKernel:
 
     def strip_workspace(self, pWorkspace: cute.Pointer, workers) -> cute.Tensor:
         """The split-K workspace as (column of a strip, row, slot) fp32: two slots per
-        worker, its first strip's partial and its last one's (``finish_strip``)."""
-        layout = cute.make_layout(
-            (TILE_N, self.m, 2 * workers), stride=(1, TILE_N, self.m * TILE_N)
-        )
-        return cute.make_tensor(pWorkspace, layout)
+        worker, its first strip's partial and its last one's (``finish_strip``); a column's
+        rows adjacent with ``SLOT_ROWS_INNER``."""
+        m = self.m
+        stride = (m, 1, m * TILE_N) if self.SLOT_ROWS_INNER else (1, TILE_N, m * TILE_N)
+        return cute.make_tensor(pWorkspace, cute.make_layout((TILE_N, m, 2 * workers), stride=stride))
 
     def launch_options(self, ctas, stream) -> dict:
         """``launch`` arguments of a stream-K grid of ``ctas`` CTAs (one wave): the register
@@ -982,12 +988,12 @@ class GemvKernel:
                 self.await_probes(words, mWs.layout, wn, first_slot, b0, later, batch)
                 pending = self.load_slots(parts, words, mWs.layout, c, first_slot, b0, later, False)
             for j in cutlass.range_constexpr(batch):
-                slot = self.strip_slot(first_slot, b0 + j)
-                for m in cutlass.range_constexpr(self.m):
-                    if b0 + j <= later:
+                if b0 + j <= later:
+                    slot = self.strip_slot(first_slot, b0 + j)
+                    for m in cutlass.range_constexpr(self.m):
                         v[m] = v[m] + bits_to_f32(parts[j * self.m + m])
-                        ptr = words + cute.crd2idx((c, m, slot), mWs.layout)
-                        cute.arch.store(ptr, Int32(EMPTY_SLOT), sem="relaxed", scope="gpu")
+                    for m0, n in self.slot_runs():
+                        empty_slot_words(words + cute.crd2idx((c, m0, slot), mWs.layout), n)
         self.store_columns(v, epi, wn)
 
     @cute.jit
@@ -1019,15 +1025,29 @@ class GemvKernel:
         pending = Int32(0)
         for j in cutlass.range_constexpr(batch):
             slot = self.strip_slot(first_slot, b0 + j)
-            for m in cutlass.range_constexpr(self.m):
-                i = j * self.m + m
+            real = b0 + j <= later
+            for m0, n in self.slot_runs():  # rows m0 .. m0 + n - 1: adjacent words
+                run = [j * self.m + m0 + r for r in range(n)]
                 if cutlass.const_expr(first):
-                    parts[i] = Int32(0)
-                real = b0 + j <= later
-                if real and (cutlass.const_expr(first) or parts[i] == Int32(EMPTY_SLOT)):
-                    parts[i] = load_slot(words + cute.crd2idx((c, m, slot), layout))
-                pending = pending | Int32(parts[i] == Int32(EMPTY_SLOT))
+                    for i in run:
+                        parts[i] = Int32(0)
+                empty = Int32(0)
+                for i in run:
+                    empty = empty | Int32(parts[i] == Int32(EMPTY_SLOT))
+                if real and (cutlass.const_expr(first) or empty != 0):
+                    got = load_slot_words(words + cute.crd2idx((c, m0, slot), layout), n)
+                    for i, x in zip(run, got):
+                        parts[i] = x
+                for i in run:
+                    pending = pending | Int32(parts[i] == Int32(EMPTY_SLOT))
         return pending
+
+    def slot_runs(self) -> list[tuple[int, int]]:
+        """A slot column's rows as (first row, count) runs of adjacent words that one access
+        takes (``load_slot_words``): all m rows with ``SLOT_ROWS_INNER``, else one by one."""
+        if self.SLOT_ROWS_INNER:
+            return [(0, self.m)]
+        return [(m, 1) for m in range(self.m)]
 
     def outputs(self, acc, t) -> list:
         """[(value, activation row, column - g of the warp's 32)] of the thread's
