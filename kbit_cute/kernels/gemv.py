@@ -315,7 +315,8 @@ class GemvKernel:
         rows adjacent with ``SLOT_ROWS_INNER``."""
         m = self.m
         stride = (m, 1, m * TILE_N) if self.SLOT_ROWS_INNER else (1, TILE_N, m * TILE_N)
-        return cute.make_tensor(pWorkspace, cute.make_layout((TILE_N, m, 2 * workers), stride=stride))
+        layout = cute.make_layout((TILE_N, m, 2 * workers), stride=stride)
+        return cute.make_tensor(pWorkspace, layout)
 
     def launch_options(self, ctas, stream) -> dict:
         """``launch`` arguments of a stream-K grid of ``ctas`` CTAs (one wave): the register
@@ -1036,7 +1037,7 @@ class GemvKernel:
                     empty = empty | Int32(parts[i] == Int32(EMPTY_SLOT))
                 if real and (cutlass.const_expr(first) or empty != 0):
                     got = load_slot_words(words + cute.crd2idx((c, m0, slot), layout), n)
-                    for i, x in zip(run, got):
+                    for i, x in zip(run, got, strict=True):
                         parts[i] = x
                 for i in run:
                     pending = pending | Int32(parts[i] == Int32(EMPTY_SLOT))
