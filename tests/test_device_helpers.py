@@ -58,7 +58,7 @@ def test_gemv_lookups_give_the_mma_pairs(k, gen):
     idx = torch.randint(0, 1 << k, (1, 32), generator=gen, dtype=torch.uint8)
     planes = [int(w) & 0xFFFFFFFF for w in fmt.pack_bitplanes(idx, k).tolist()]
     idx = idx[0].tolist()
-    fields = planes_to_fields(planes, k, W, kern.byte_tables, kern.SELECT_WIDTHS[k])  # as traced
+    fields = planes_to_fields(planes, k, W, kern.byte_tables, kern.select_widths)  # as traced
     pairs = _pairs_of(fields, W)
     positions = sorted(e for _, (_, ea), (_, eb) in pairs for e in (ea, eb))
     assert positions == list(range(THREAD_K))
