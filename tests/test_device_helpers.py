@@ -44,21 +44,29 @@ def test_bit_select_takes_each_bit_from_one_side():
 _prmt = dh._prmt_host  # host model of prmt.b32, shared with the GEMM's tests
 
 
-@pytest.mark.parametrize("k", (2, 3, 4, 5))
-def test_gemv_lookups_give_the_mma_pairs(k, gen):
+def _gemv_lookups():
+    from kbit_cute.kernels.gemv import GEMV_LOOKUP, LOOKUP, GemvKernel
+
+    names = sorted(set(LOOKUP.values()) | set(GEMV_LOOKUP.values()))
+    return [(k, lk) for k in (2, 3, 4, 5) for lk in names if GemvKernel.lookup_fits(lk, k)]
+
+
+@pytest.mark.parametrize("m", (1, 4))
+@pytest.mark.parametrize("k, lookup", _gemv_lookups())
+def test_gemv_lookups_give_the_mma_pairs(k, lookup, m, gen):
     """The GEMV's trace-time plan, emulated on host ints: each of a thread's 8 register
     pairs per column holds two distinct K positions, the 16 positions are covered once, the
-    second column's fields mirror the first's, and the lookup the kernel uses for this k
-    (pair shuffle, quad table, byte tables or single shuffles) returns those positions'
-    indices."""
+    second column's fields mirror the first's, and every lookup that serves this k (pair
+    shuffle, quad table, byte tables, pair table or single shuffles) returns those
+    positions' indices from the fields as the kernel merges them at this M."""
     from kbit_cute.kernels.gemv import THREAD_K, GemvKernel, _pairs_of
 
-    kern = GemvKernel(k, 1, None)
+    kern = GemvKernel(k, m, None, lookup=lookup)
     W = kern.field_width
     idx = torch.randint(0, 1 << k, (1, 32), generator=gen, dtype=torch.uint8)
     planes = [int(w) & 0xFFFFFFFF for w in fmt.pack_bitplanes(idx, k).tolist()]
     idx = idx[0].tolist()
-    fields = planes_to_fields(planes, k, W, kern.byte_tables, kern.SELECT_WIDTHS[k])  # as traced
+    fields = planes_to_fields(planes, k, W, kern.byte_tables, kern.select_widths)  # as traced
     pairs = _pairs_of(fields, W)
     positions = sorted(e for _, (_, ea), (_, eb) in pairs for e in (ea, eb))
     assert positions == list(range(THREAD_K))

@@ -208,6 +208,29 @@ def test_workspace_and_counters_survive_changing_shapes(weights):
                 assert rel_err(call(c), fresh[c].float()) < 1e-3, c
 
 
+@pytest.mark.parametrize("splits", [None, 4])
+@pytest.mark.parametrize("M", [16, 64])
+def test_gemm_chain_reads_what_the_previous_gemm_wrote(M, splits, weights):
+    """A GEMM whose activations are the previous GEMM's output. On sm_90 each is launched
+    with programmatic dependent launch (it may start while the one before runs): its wait
+    must cover the first's split-K hand-over and stores. Both outputs are poisoned with NaN
+    before every round."""
+    qw1, qw2 = weights(4096, 2048, 4), weights(2048, 5120, 2)
+    A1 = torch.randn(M, 4096, device="cuda", dtype=torch.float16)
+    out1 = torch.empty(M, 2048, device="cuda", dtype=torch.float16)
+    out2 = torch.empty(M, 5120, device="cuda", dtype=torch.float16)
+    for _ in range(4):
+        A1.copy_(torch.randn_like(A1))
+        out1.fill_(float("nan"))
+        out2.fill_(float("nan"))
+        gd.gemm_mma(A1, qw1, None, out1, splits=splits)  # back to back: no kernel between
+        gd.gemm_mma(out1, qw2, None, out2, splits=splits)
+        torch.cuda.synchronize()
+        assert not torch.isnan(out2).any(), "an output element was not written"
+        assert rel_err(out1, reference(A1, qw1)) < TOL[torch.float16]
+        assert rel_err(out2, reference(out1, qw2)) < TOL[torch.float16]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_bias_and_unaligned_tensors(dtype, weights):
     K, N, k = 2048, 4096, 4

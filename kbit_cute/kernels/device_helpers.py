@@ -355,10 +355,11 @@ def pair_table_index(p: int, k: int) -> tuple[int, int]:
 _PAIR_MASK = 0x03030303
 
 
-def _pair_bits(plane, t, to_bit: int, mask: int):
+def _pair_bits(plane, t, to_bit: int, mask: int | None):
     """Plane word rotated right by 2t - ``to_bit``: the thread's pair c (bits 8c + 2t, + 1)
-    lands at bits 8c + to_bit, + 1; then ``mask``. One SHF and one LOP3 (the mask and the
-    caller's OR). Host ints when ``t`` is an int (the host tests run this same code)."""
+    lands at bits 8c + to_bit, + 1; then ``mask`` (None: unmasked, for a caller that selects
+    the bits it keeps). One SHF and one LOP3 (the mask and the caller's OR). Host ints when
+    ``t`` is an int (the host tests run this same code)."""
     if isinstance(t, int):
         rotated = _rotr_host(plane, (2 * t - to_bit) & 31)
         return rotated if mask is None else rotated & mask

@@ -247,6 +247,8 @@ class GemmKernel:
         self.tile_words = _TILE_WORDS_PER_K * k  # int32 words of one repack tile
         # Programmatic dependent launch (sm_90): the launch overlaps the kernel before.
         self.pdl = target_arch_family() == "sm_90"
+        if self.PDL_SIGNAL not in ("start", "end"):
+            raise ValueError(f"PDL_SIGNAL must be 'start' or 'end', not {self.PDL_SIGNAL!r}")
 
     def min_ctas_per_sm(self) -> int:
         """``min_blocks_per_mp`` of the launch (0: the compiler's choice). Warp tiles of 64

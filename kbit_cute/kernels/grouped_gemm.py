@@ -56,6 +56,9 @@ class GroupedGemmKernel(GemmKernel):
 
     def __init__(self, k: int, dtype: str, config: GemmConfig, gate_up: bool = False):
         super().__init__(k, dtype, config)
+        # Its own launch and kernel take no programmatic dependent launch (no wait in it):
+        # off, so that nothing inherited reads it as on.
+        self.pdl = False
         if gate_up and config.tile_n != TILE_N:
             raise ValueError(f"a gate_up GroupedGemmKernel needs tile_n=128, got {config.name}")
         self.gate_up = gate_up

@@ -208,7 +208,8 @@ class GroupedGemvKernel(GemvKernel):
     activation dtype, ``gate_up`` (fused SiLU(g) * u)."""
 
     REAL_ROWS_ONLY = False  # (its gate/up spilled at 80 registers)
-    # k = 5's gate/up spilled at 80 registers with bit-select merges at any width
+    # k = 5's gate/up spilled at 80 registers with bit-select merges at any width (its 8
+    # rows per pass also take SELECT_WIDTHS_WIDE_M's k = 5 entry: kept for the reason)
     SELECT_WIDTHS = {**GemvKernel.SELECT_WIDTHS, 5: ()}
 
     def __init__(
