@@ -564,8 +564,9 @@ def _slot_vector_ptr(ptr: cute.Pointer, n: int) -> cute.Pointer:
 
 @cute.jit
 def load_slot_words(ptr: cute.Pointer, n: cutlass.Constexpr[int]) -> list:
-    """n consecutive words of a split-K slot (n = 1, 2, 4, 8; ``ptr`` 4 n-byte aligned, at
-    most 16 bytes per access), read from L2 (relaxed, GPU scope): one load per 4 words."""
+    """n consecutive words of a split-K slot (n = 1, 2, 4, 8; ``ptr`` aligned to one access:
+    4 n bytes, at most 16), read from L2 (relaxed, GPU scope): one load per 4 words."""
+    assert n in (1, 2, 4, 8), f"slot runs of 1, 2, 4 or 8 words, not {n}"
     if cutlass.const_expr(n == 1):
         return [load_slot(ptr)]
     width = min(n, SLOT_VECTOR_WORDS)
@@ -581,6 +582,7 @@ def load_slot_words(ptr: cute.Pointer, n: cutlass.Constexpr[int]) -> list:
 @cute.jit
 def empty_slot_words(ptr: cute.Pointer, n: cutlass.Constexpr[int]) -> None:
     """Leave n consecutive slot words EMPTY_SLOT (as ``load_slot_words``: one store per 4)."""
+    assert n in (1, 2, 4, 8), f"slot runs of 1, 2, 4 or 8 words, not {n}"
     if cutlass.const_expr(n == 1):
         cute.arch.store(ptr, Int32(EMPTY_SLOT), sem="relaxed", scope="gpu")
     else:

@@ -123,7 +123,7 @@ REDUCE_LOADS = 32
 # m = 4: 4 slots rather than 8 (14336x4096 k = 4 15.52 -> 14.88 us, 4096x2048 k = 2 6.10 ->
 # 5.43), m = 8: 2 rather than 4 (4096x2048 k = 2 7.82 -> 7.27); halving m = 1, 2, 4 again
 # was slower (2048x512 k = 4: 2.71 -> 2.90 at M = 1, 4.06 -> 4.97 at M = 4). m = 2 at 8
-# spilled on sm_90a.
+# spilled on sm_90a. (All measured with row-major slots, a word per load.)
 POLL_WORKERS = {1: 16, 2: 6, 4: 4, 8: 2}
 # The copies address activations by 32-bit byte offsets (``copy_sources``): A (all of its
 # rows, in the grouped kernels) must be smaller.
@@ -214,6 +214,9 @@ class GemvKernel:
         self.table = self.lookup in TABLE_ENTRY_BYTES  # a shared-memory table per CTA
         min_width = {"byte_tables": 4, "pair_table": 4, "quad_table": 2}.get(self.lookup, 1)
         self.field_width = field_bits(k, min_width)
+        if self.SLOT_ROWS_INNER and not self.POLLED_HANDOVER:
+            raise ValueError("SLOT_ROWS_INNER slots need POLLED_HANDOVER (reduce_strip's loads "
+                             "coalesce over row-major slots)")  # fmt: skip
         self.select_widths = self.SELECT_WIDTHS[k]
         if m >= 4:
             self.select_widths = self.SELECT_WIDTHS_WIDE_M.get(k, self.select_widths)
@@ -286,7 +289,7 @@ class GemvKernel:
         pScale: cute.Pointer,  # fp32 (1,) per-tensor scale
         pBias: cute.Pointer,  # (N,) dtype; read only if has_bias
         pOut: cute.Pointer,  # (M, N) row-major, dtype
-        pWorkspace: cute.Pointer,  # fp32 (2 workers, m, 128): partial strips
+        pWorkspace: cute.Pointer,  # fp32 (2 workers, 128, m): partial strips
         pCounters: cute.Pointer,  # int32 (4 column tiles,), zero; left zero
         M: Int32,
         N: Int32,
@@ -1032,10 +1035,12 @@ class GemvKernel:
                 if cutlass.const_expr(first):
                     for i in run:
                         parts[i] = Int32(0)
-                empty = Int32(0)
-                for i in run:
-                    empty = empty | Int32(parts[i] == Int32(EMPTY_SLOT))
-                if real and (cutlass.const_expr(first) or empty != 0):
+                empty = Int32(1)  # the first pass loads every slot
+                if cutlass.const_expr(not first):
+                    empty = Int32(0)
+                    for i in run:
+                        empty = empty | Int32(parts[i] == Int32(EMPTY_SLOT))
+                if real and empty != 0:
                     got = load_slot_words(words + cute.crd2idx((c, m0, slot), layout), n)
                     for i, x in zip(run, got, strict=True):
                         parts[i] = x
@@ -1083,7 +1088,8 @@ class GemvKernel:
     def reduce_strip(self, mWs, epi, wn, first_slot, later):
         """Lane c sums column c of the strip over the partial slots (``first_slot``, then
         ``later`` more, 2 apart), in worker order, all m rows at once: each round of loads
-        is one L2 round trip for ``batch`` workers, coalesced across the warp."""
+        is one L2 round trip for ``batch`` workers, coalesced across the warp (row-major
+        slots: kernels on this path keep ``SLOT_ROWS_INNER`` off, ``__init__`` checks)."""
         lane = cute.arch.lane_idx()
         c = wn * WARP_COLS + lane
         batch = max(2, REDUCE_LOADS // self.m)
