@@ -409,18 +409,16 @@ def pair_row_offsets(planes: list, t, k: int, lane4) -> list:
     more: plane b rotated right by 2t - 2b puts pair c's bits at 2b, 2b + 1 of byte c (p
     whole in byte c), and the PRMT takes byte 0 from ``lane4`` (4 x lane, < 128: its sign
     fills bytes 2, 3 with zeros) and byte 1 from byte c."""
-    if k == 4:
-        # The four planes' bits fill every byte: a chain of bit-selects needs no mask of its
-        # own (k LOP3 -> k - 1).
-        lo = _pair_bits(planes[0], t, 0, None)
-        for b in range(1, k):
-            below = 0x01010101 * ((1 << 2 * b) - 1)  # the slots of planes < b in each byte
-            lo = bit_select(below, lo, _pair_bits(planes[b], t, 2 * b, None))
-    else:
-        lo = None
-        for b in range(k):
-            term = _pair_bits(planes[b], t, 2 * b, _PAIR_MASK << (2 * b))
-            lo = term if lo is None else lo | term
+    # Plane b's bits over whatever the planes before left above their slots: a chain of
+    # bit-selects, unmasked rotations, one mask at the end where the planes leave bits of
+    # each byte free (k < 4). k LOP3 for every k (k = 4: one fewer than masking each plane).
+    lo = _pair_bits(planes[0], t, 0, None)
+    for b in range(1, k):
+        below = 0x01010101 * ((1 << 2 * b) - 1)  # the slots of planes < b in each byte
+        lo = bit_select(below, lo, _pair_bits(planes[b], t, 2 * b, None))
+    if k < 4:
+        keep = 0x01010101 * ((1 << 2 * k) - 1)
+        lo = lo & (keep if isinstance(lo, int) else Uint32(keep))
     return _prmt4(lo, lane4, [4 | (c << 4) | (0xC << 8) | (0xC << 12) for c in range(4)], t)
 
 
@@ -538,6 +536,24 @@ def _reset_counter(counter: cute.Pointer) -> None:
 # A split-K slot no partial occupies: an all-ones word, a NaN that no arithmetic makes (the
 # GPU's NaNs are 0x7fffffff). Slot buffers start so and every reader leaves them so.
 EMPTY_SLOT = -1
+
+
+@cute.jit
+def wait_previous_kernel(pdl: cutlass.Constexpr[bool]) -> None:
+    """Under programmatic dependent launch (``pdl``), wait until the kernel before this one
+    on the stream has finished and its writes are visible: before any memory access it may
+    write. A no-op without it."""
+    if cutlass.const_expr(pdl):
+        cute.arch.griddepcontrol_wait()
+
+
+@cute.jit
+def let_next_kernel_start(pdl: cutlass.Constexpr[bool]) -> None:
+    """Let the next kernel on the stream launch (its CTAs wait in ``wait_previous_kernel``).
+    Only after this CTA has waited, so that the chain of waits stays transitive. Without a
+    signal the next launch comes in as this kernel exits."""
+    if cutlass.const_expr(pdl):
+        cute.arch.griddepcontrol_launch_dependents()
 
 
 def nanosleep(ns: int) -> None:

@@ -61,6 +61,7 @@ from .device_helpers import (
     smem_per_sm,
     split_k_arrive,
     target_arch_family,
+    wait_previous_kernel,
     worker_of,
 )
 
@@ -224,13 +225,6 @@ _DTYPES = {"f16": cutlass.Float16, "bf16": cutlass.BFloat16}
 class GemmKernel:
     """mma.sync GEMM over a kbit weight. Compile-time config: ``k``, dtype name, ``GemmConfig``."""
 
-    # Where the kernel lets the next launch in (programmatic dependent launch, sm_90):
-    # "start" (right after its own wait: its CTAs then wait beside this grid's) or "end"
-    # (at exit; the launch is still set up while this grid runs). Measured (H100, k = 2, 4,
-    # M = 16..64, three shapes, against no PDL): "end" 2.6% faster (geomean, every point
-    # 0-5%), "start" 1.7% (two points 10-17% slower: its waiting CTAs hold SMs).
-    PDL_SIGNAL = "end"
-
     def __init__(self, k: int, dtype: str, config: GemmConfig):
         problems = GemmKernel.problems(k, dtype, config)
         if problems:
@@ -245,10 +239,12 @@ class GemmKernel:
         self.ks = config.tile_k // 16  # k16 MMA steps per k-slice
         self.nj = config.tile_n // (8 * config.warps_n)  # n8 MMA tiles per warp (reps)
         self.tile_words = _TILE_WORDS_PER_K * k  # int32 words of one repack tile
-        # Programmatic dependent launch (sm_90): the launch overlaps the kernel before.
+        # Programmatic dependent launch (sm_90): the launch is set up while the kernel
+        # before runs; the next one comes in as this one exits. Measured (H100, k = 2, 4,
+        # M = 16..64, three shapes): 2.6% faster than without (every point 0-5%); letting
+        # the next in right after the wait was 1.7% (two points 10-17% slower: its waiting
+        # CTAs held SM slots of this grid's last wave).
         self.pdl = target_arch_family() == "sm_90"
-        if self.PDL_SIGNAL not in ("start", "end"):
-            raise ValueError(f"PDL_SIGNAL must be 'start' or 'end', not {self.PDL_SIGNAL!r}")
 
     def min_ctas_per_sm(self) -> int:
         """``min_blocks_per_mp`` of the launch (0: the compiler's choice). Warp tiles of 64
@@ -334,13 +330,8 @@ class GemmKernel:
     ):
         cfg = self.cfg
         worker, _, _ = cute.arch.block_idx()
-        if cutlass.const_expr(self.pdl):
-            # Launched while the kernel before may still run (programmatic dependent
-            # launch): wait for it before any memory access (A, the codebook, the split-K
-            # scratch may be its outputs).
-            cute.arch.griddepcontrol_wait()
-            if cutlass.const_expr(self.PDL_SIGNAL == "start"):
-                cute.arch.griddepcontrol_launch_dependents()
+        # A, the codebook and the split-K scratch may be the kernel before's outputs.
+        wait_previous_kernel(self.pdl)
         # Stream-K: the (output tile, K slice) units, K slices fastest and output tiles m
         # fastest (the CTAs that share a weight tile run together: one HBM read), are split
         # into ``workers`` equal runs, one per CTA. A run covers the end of one tile, whole

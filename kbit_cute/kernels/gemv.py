@@ -74,6 +74,7 @@ from .device_helpers import (
     empty_slot_words,
     field_bits,
     handover_owner,
+    let_next_kernel_start,
     load_slot,
     load_slot_words,
     mul_x2,
@@ -86,6 +87,7 @@ from .device_helpers import (
     scaled_byte_tables,
     smem_per_sm,
     target_arch_family,
+    wait_previous_kernel,
     warp_split_arrive,
     worker_of,
 )
@@ -158,13 +160,13 @@ class GemvKernel:
     # Stream-K run bounds in 64-bit arithmetic (``run_start``); the GEMV's fit 32 bits.
     WIDE_RUNS = False
     # Field widths whose plane merges are one bit-select each (``planes_to_fields``; the
-    # others two ANDs and an OR): k = 2 / 3 / 4 152 -> 148, 208 -> 194, 210 -> 194 SASS
-    # instructions per K tile (M = 1), k = 5 384 -> 354; k = 5 at w = 2 made the M = 1
-    # variant spill at 72 registers (349 instructions). Measured (H100, session 22): k = 3..5
-    # at M = 1 2-8% faster, k = 4 at M = 4 1-3%; k = 5 at M >= 4 took its selects 2-5%
-    # slower (``SELECT_WIDTHS_WIDE_M`` overrides them there: none).
+    # others two ANDs and an OR), by k, for row buckets m <= 2 and m >= 4: k = 2 / 3 / 4
+    # 152 -> 148, 208 -> 194, 210 -> 194 SASS instructions per K tile (M = 1), k = 5 384 ->
+    # 354 (at w = 2 too its M = 1 variant spilled at 72 registers). Measured (H100, session
+    # 22): k = 3..5 at M = 1 2-8% faster, k = 4 at M = 4 1-3%. k = 5 at m >= 4 takes none:
+    # the GEMV's M = 4 was 2-5% slower with them, the grouped kernels' 8 rows spilled.
     SELECT_WIDTHS = {2: (1, 2, 4), 3: (1, 2, 4), 4: (1, 2, 4), 5: (1, 4)}
-    SELECT_WIDTHS_WIDE_M = {5: ()}
+    SELECT_WIDTHS_WIDE_M = {**SELECT_WIDTHS, 5: ()}
     # Split-K hand-over (``finish_strip``): the strip's owner polls the others' slots (its
     # workspace holds EMPTY_SLOT words between calls), or the counter's last arrival sums.
     POLLED_HANDOVER = True
@@ -217,9 +219,7 @@ class GemvKernel:
         if self.SLOT_ROWS_INNER and not self.POLLED_HANDOVER:
             raise ValueError("SLOT_ROWS_INNER slots need POLLED_HANDOVER (reduce_strip's loads "
                              "coalesce over row-major slots)")  # fmt: skip
-        self.select_widths = self.SELECT_WIDTHS[k]
-        if m >= 4:
-            self.select_widths = self.SELECT_WIDTHS_WIDE_M.get(k, self.select_widths)
+        self.select_widths = (self.SELECT_WIDTHS_WIDE_M if m >= 4 else self.SELECT_WIDTHS)[k]
         # Workers (quads of 4 column warps) per CTA. The 64 KB pair table is shared by as
         # many quads as the shared memory of an SM holds besides it, up to 7 (at 8, 64
         # registers, it spilled). Register lookups (k = 5) on sm_90: 7 quads as well, one CTA
@@ -451,17 +451,13 @@ class GemvKernel:
 
     @cute.jit
     def wait_previous(self):
-        """Wait until the kernel before this one on the stream has finished and its writes
-        are visible (a no-op without programmatic dependent launch)."""
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()
+        """``wait_previous_kernel`` under this kernel's launch mode."""
+        wait_previous_kernel(self.pdl)
 
     @cute.jit
     def let_next_start(self):
-        """Let the next kernel on the stream launch (its CTAs wait as ``wait_previous``
-        does). Called once this CTA has waited, so the chain of waits stays transitive."""
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_launch_dependents()
+        """``let_next_kernel_start`` under this kernel's launch mode."""
+        let_next_kernel_start(self.pdl)
 
     def stage_words(self) -> int:
         """Int32 words of one warp's ring stage: its 32 columns' plane words for both

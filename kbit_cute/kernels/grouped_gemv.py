@@ -208,9 +208,6 @@ class GroupedGemvKernel(GemvKernel):
     activation dtype, ``gate_up`` (fused SiLU(g) * u)."""
 
     REAL_ROWS_ONLY = False  # (its gate/up spilled at 80 registers)
-    # k = 5's gate/up spilled at 80 registers with bit-select merges at any width (its 8
-    # rows per pass also take SELECT_WIDTHS_WIDE_M's k = 5 entry: kept for the reason)
-    SELECT_WIDTHS = {**GemvKernel.SELECT_WIDTHS, 5: ()}
 
     def __init__(
         self,
@@ -537,7 +534,6 @@ class GroupedStreamKernel(GemvKernel):
     # table (gather_owned_strips takes the GEMV's), and its 8-row slots allow 2 per round.
     POLLED_HANDOVER = False
     SLOT_ROWS_INNER = False  # its counter path's row-by-row loads coalesce across lanes
-    SELECT_WIDTHS = GroupedGemvKernel.SELECT_WIDTHS  # (k = 5 spilled with bit-selects)
     REGISTER_LOOKUP_QUADS = 1  # k = 5: one quad per CTA (measured with it)
 
     def __init__(self, k: int, dtype: type[cutlass.Numeric], gate_up: bool, stages=None):
