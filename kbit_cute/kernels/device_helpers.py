@@ -10,7 +10,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
-from cutlass._mlir.dialects import llvm
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm, vector
 from cutlass.cutlass_dsl import T
 
 
@@ -567,6 +568,46 @@ def nanosleep(ns: int) -> None:
 def load_slot(ptr: cute.Pointer) -> Int32:
     """One word of a split-K slot (Int32 pointer), read from L2 (relaxed, GPU scope)."""
     return cute.arch.load(ptr, Int32, sem="relaxed", scope="gpu")
+
+
+SLOT_VECTOR_WORDS = 4  # the widest load / store of slot words: 16 bytes
+
+
+def _slot_vector_ptr(ptr: cute.Pointer, n: int) -> cute.Pointer:
+    """``ptr`` (Int32, 4 n-byte aligned by the caller's layout) as an n-word aligned one."""
+    return cute.make_ptr(Int32, ptr.toint(), cute.AddressSpace.gmem, assumed_align=4 * n)
+
+
+@cute.jit
+def load_slot_words(ptr: cute.Pointer, n: cutlass.Constexpr[int]) -> list:
+    """n consecutive words of a split-K slot (n = 1, 2, 4, 8; ``ptr`` aligned to one access:
+    4 n bytes, at most 16), read from L2 (relaxed, GPU scope): one load per 4 words."""
+    assert n in (1, 2, 4, 8), f"slot runs of 1, 2, 4 or 8 words, not {n}"
+    if cutlass.const_expr(n == 1):
+        return [load_slot(ptr)]
+    width = min(n, SLOT_VECTOR_WORDS)
+    vt = ir.VectorType.get([width], Int32.mlir_type)
+    words = []
+    for i in cutlass.range_constexpr(n // width):
+        v = cute.arch.load(_slot_vector_ptr(ptr + i * width, width), vt, sem="relaxed", scope="gpu")
+        words += [Int32(vector.extract(v, dynamic_position=[], static_position=[e]))
+                  for e in range(width)]  # fmt: skip
+    return words
+
+
+@cute.jit
+def empty_slot_words(ptr: cute.Pointer, n: cutlass.Constexpr[int]) -> None:
+    """Leave n consecutive slot words EMPTY_SLOT (as ``load_slot_words``: one store per 4)."""
+    assert n in (1, 2, 4, 8), f"slot runs of 1, 2, 4 or 8 words, not {n}"
+    if cutlass.const_expr(n == 1):
+        cute.arch.store(ptr, Int32(EMPTY_SLOT), sem="relaxed", scope="gpu")
+    else:
+        width = min(n, SLOT_VECTOR_WORDS)
+        vt = ir.VectorType.get([width], Int32.mlir_type)
+        empty = vector.from_elements(vt, [Int32(EMPTY_SLOT).ir_value()] * width)
+        for i in cutlass.range_constexpr(n // width):
+            cute.arch.store(_slot_vector_ptr(ptr + i * width, width), empty, sem="relaxed",
+                            scope="gpu")  # fmt: skip
 
 
 SLOT_POLL_NS = 128  # back-off between polls of an empty slot (a poll's L2 round trip: ~500 ns)

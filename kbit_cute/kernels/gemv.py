@@ -71,10 +71,12 @@ from .device_helpers import (
     codebook_x2_lane,
     codebook_x2_pairs,
     cp_async_chunk,
+    empty_slot_words,
     field_bits,
     handover_owner,
     let_next_kernel_start,
     load_slot,
+    load_slot_words,
     mul_x2,
     nanosleep,
     pair_selector,
@@ -123,7 +125,7 @@ REDUCE_LOADS = 32
 # m = 4: 4 slots rather than 8 (14336x4096 k = 4 15.52 -> 14.88 us, 4096x2048 k = 2 6.10 ->
 # 5.43), m = 8: 2 rather than 4 (4096x2048 k = 2 7.82 -> 7.27); halving m = 1, 2, 4 again
 # was slower (2048x512 k = 4: 2.71 -> 2.90 at M = 1, 4.06 -> 4.97 at M = 4). m = 2 at 8
-# spilled on sm_90a.
+# spilled on sm_90a. (All measured with row-major slots, a word per load.)
 POLL_WORKERS = {1: 16, 2: 6, 4: 4, 8: 2}
 # The copies address activations by 32-bit byte offsets (``copy_sources``): A (all of its
 # rows, in the grouped kernels) must be smaller.
@@ -168,6 +170,10 @@ class GemvKernel:
     # Split-K hand-over (``finish_strip``): the strip's owner polls the others' slots (its
     # workspace holds EMPTY_SLOT words between calls), or the counter's last arrival sums.
     POLLED_HANDOVER = True
+    # A slot keeps a column's rows together (word column * m + row): the owner loads a slot's
+    # m rows at once (M = 4: one 16-byte load where it took four). Off: row-major slots,
+    # whose row-by-row loads across the lanes coalesce (``reduce_strip``).
+    SLOT_ROWS_INNER = True
 
     def __init__(
         self,
@@ -210,6 +216,9 @@ class GemvKernel:
         self.table = self.lookup in TABLE_ENTRY_BYTES  # a shared-memory table per CTA
         min_width = {"byte_tables": 4, "pair_table": 4, "quad_table": 2}.get(self.lookup, 1)
         self.field_width = field_bits(k, min_width)
+        if self.SLOT_ROWS_INNER and not self.POLLED_HANDOVER:
+            raise ValueError("SLOT_ROWS_INNER slots need POLLED_HANDOVER (reduce_strip's loads "
+                             "coalesce over row-major slots)")  # fmt: skip
         self.select_widths = (self.SELECT_WIDTHS_WIDE_M if m >= 4 else self.SELECT_WIDTHS)[k]
         # Workers (quads of 4 column warps) per CTA. The 64 KB pair table is shared by as
         # many quads as the shared memory of an SM holds besides it, up to 7 (at 8, 64
@@ -280,7 +289,7 @@ class GemvKernel:
         pScale: cute.Pointer,  # fp32 (1,) per-tensor scale
         pBias: cute.Pointer,  # (N,) dtype; read only if has_bias
         pOut: cute.Pointer,  # (M, N) row-major, dtype
-        pWorkspace: cute.Pointer,  # fp32 (2 workers, m, 128): partial strips
+        pWorkspace: cute.Pointer,  # fp32 (2 workers, 128, m): partial strips
         pCounters: cute.Pointer,  # int32 (4 column tiles,), zero; left zero
         M: Int32,
         N: Int32,
@@ -305,10 +314,11 @@ class GemvKernel:
 
     def strip_workspace(self, pWorkspace: cute.Pointer, workers) -> cute.Tensor:
         """The split-K workspace as (column of a strip, row, slot) fp32: two slots per
-        worker, its first strip's partial and its last one's (``finish_strip``)."""
-        layout = cute.make_layout(
-            (TILE_N, self.m, 2 * workers), stride=(1, TILE_N, self.m * TILE_N)
-        )
+        worker, its first strip's partial and its last one's (``finish_strip``); a column's
+        rows adjacent with ``SLOT_ROWS_INNER``."""
+        m = self.m
+        stride = (m, 1, m * TILE_N) if self.SLOT_ROWS_INNER else (1, TILE_N, m * TILE_N)
+        layout = cute.make_layout((TILE_N, m, 2 * workers), stride=stride)
         return cute.make_tensor(pWorkspace, layout)
 
     def launch_options(self, ctas, stream) -> dict:
@@ -978,12 +988,12 @@ class GemvKernel:
                 self.await_probes(words, mWs.layout, wn, first_slot, b0, later, batch)
                 pending = self.load_slots(parts, words, mWs.layout, c, first_slot, b0, later, False)
             for j in cutlass.range_constexpr(batch):
-                slot = self.strip_slot(first_slot, b0 + j)
-                for m in cutlass.range_constexpr(self.m):
-                    if b0 + j <= later:
+                if b0 + j <= later:
+                    slot = self.strip_slot(first_slot, b0 + j)
+                    for m in cutlass.range_constexpr(self.m):
                         v[m] = v[m] + bits_to_f32(parts[j * self.m + m])
-                        ptr = words + cute.crd2idx((c, m, slot), mWs.layout)
-                        cute.arch.store(ptr, Int32(EMPTY_SLOT), sem="relaxed", scope="gpu")
+                    for m0, n in self.slot_runs():
+                        empty_slot_words(words + cute.crd2idx((c, m0, slot), mWs.layout), n)
         self.store_columns(v, epi, wn)
 
     @cute.jit
@@ -1015,15 +1025,31 @@ class GemvKernel:
         pending = Int32(0)
         for j in cutlass.range_constexpr(batch):
             slot = self.strip_slot(first_slot, b0 + j)
-            for m in cutlass.range_constexpr(self.m):
-                i = j * self.m + m
+            real = b0 + j <= later
+            for m0, n in self.slot_runs():  # rows m0 .. m0 + n - 1: adjacent words
+                run = [j * self.m + m0 + r for r in range(n)]
                 if cutlass.const_expr(first):
-                    parts[i] = Int32(0)
-                real = b0 + j <= later
-                if real and (cutlass.const_expr(first) or parts[i] == Int32(EMPTY_SLOT)):
-                    parts[i] = load_slot(words + cute.crd2idx((c, m, slot), layout))
-                pending = pending | Int32(parts[i] == Int32(EMPTY_SLOT))
+                    for i in run:
+                        parts[i] = Int32(0)
+                empty = Int32(1)  # the first pass loads every slot
+                if cutlass.const_expr(not first):
+                    empty = Int32(0)
+                    for i in run:
+                        empty = empty | Int32(parts[i] == Int32(EMPTY_SLOT))
+                if real and empty != 0:
+                    got = load_slot_words(words + cute.crd2idx((c, m0, slot), layout), n)
+                    for i, x in zip(run, got, strict=True):
+                        parts[i] = x
+                for i in run:
+                    pending = pending | Int32(parts[i] == Int32(EMPTY_SLOT))
         return pending
+
+    def slot_runs(self) -> list[tuple[int, int]]:
+        """A slot column's rows as (first row, count) runs of adjacent words that one access
+        takes (``load_slot_words``): all m rows with ``SLOT_ROWS_INNER``, else one by one."""
+        if self.SLOT_ROWS_INNER:
+            return [(0, self.m)]
+        return [(m, 1) for m in range(self.m)]
 
     def outputs(self, acc, t) -> list:
         """[(value, activation row, column - g of the warp's 32)] of the thread's
@@ -1058,7 +1084,8 @@ class GemvKernel:
     def reduce_strip(self, mWs, epi, wn, first_slot, later):
         """Lane c sums column c of the strip over the partial slots (``first_slot``, then
         ``later`` more, 2 apart), in worker order, all m rows at once: each round of loads
-        is one L2 round trip for ``batch`` workers, coalesced across the warp."""
+        is one L2 round trip for ``batch`` workers, coalesced across the warp (row-major
+        slots: kernels on this path keep ``SLOT_ROWS_INNER`` off, ``__init__`` checks)."""
         lane = cute.arch.lane_idx()
         c = wn * WARP_COLS + lane
         batch = max(2, REDUCE_LOADS // self.m)

@@ -533,6 +533,7 @@ class GroupedStreamKernel(GemvKernel):
     # Not yet on the polled hand-over: an owner's sum needs the strip's epilogue from the slot
     # table (gather_owned_strips takes the GEMV's), and its 8-row slots allow 2 per round.
     POLLED_HANDOVER = False
+    SLOT_ROWS_INNER = False  # its counter path's row-by-row loads coalesce across lanes
     REGISTER_LOOKUP_QUADS = 1  # k = 5: one quad per CTA (measured with it)
 
     def __init__(self, k: int, dtype: type[cutlass.Numeric], gate_up: bool, stages=None):
