@@ -73,9 +73,13 @@ _LARGE_TILES = [
 # Warpgroup MMA (suffix "g", sm_90a): the weight tile is wgmma's register operand; M tiles
 # of up to 256 rows (wgmma's N). k = 5 takes the compact-table "g" names.
 _WGMMA_64 = ["m64n256k64s4w1x8rg", "m64n256k64s6w1x8rg", "m64n128k64s4w1x4rg", "m64n256k64s4w1x8g"]
+# TILE_K = 128 tilings: half the K slices per tile (a barrier round per 128 of K). Session
+# 23's tune (table rows + these, M = 128..512) took them for four rows, 1-5% by geomean
+# (k = 5 M = 128 10240x2048 38.1 -> 31.4 us, 4096x14336 58.5 -> 60.2).
 _WGMMA_LARGE = [
     "m128n256k64s4w1x8rg", "m128n256k64s5w1x8rg", "m128n128k64s4w1x8rg", "m256n128k64s4w1x8rg",
     "m256n128k64s5w1x8lg", "m128n256k64s4w1x8g", "m256n128k64s4w1x8g",
+    "m128n256k128s3w1x8rg", "m128n128k128s3w1x8rg", "m128n256k128s3w1x8g", "m128n128k128s3w1x8g",
 ]  # fmt: skip
 BUCKETS = [
     (16, [16], ["m16n128k64s4w1x4", "m16n128k128s4w1x4", "m16n256k64s4w1x4",
@@ -170,16 +174,24 @@ class Bench:
 
 
 def tune(
-    ks, shapes, sm_count: int, log, table_only: bool = False, buckets=None, jobs: int = 1
+    ks,
+    shapes,
+    sm_count: int,
+    log,
+    table_only: bool = False,
+    buckets=None,
+    jobs: int = 1,
+    extra: tuple[str, ...] = (),
 ) -> list[dict]:
     """Timings of the candidates of every bucket (or of the buckets whose m_max is listed
-    in ``buckets``) on ``shapes``. The candidates are compiled first, ``jobs`` at a time
-    (into the disk cache: one compile each takes 1-8 s, the tune's timing far less)."""
+    in ``buckets``) on ``shapes``; ``extra`` tilings are candidates of every bucket tuned
+    (with ``table_only``: the table's row and these). The candidates are compiled first,
+    ``jobs`` at a time (into the disk cache: one compile each takes 1-8 s, the tune's timing
+    far less)."""
     from kbit_cute.kernels import gemm_table
 
     props = device_props(torch.cuda.current_device())
-    if not table_only:
-        compile_candidates(ks, buckets, props, jobs, log)
+    compile_candidates(ks, [] if table_only else buckets, props, jobs, log, extra)
     records = []
     # (each k starts again at small M after the largest: the first candidates timed there
     # would run under the power cap, and the tune would pick against them)
@@ -206,6 +218,7 @@ def tune(
                             r[1] for r in gemm_table.RULES[k] if r[0] >= m_max
                         )
                         cands = [(row, gd.table_rule(k, M, over_l2)[0])]
+                    cands += [(n, n) for n in extra if (n, n) not in cands]
                     for name, ran in cands:
                         cfg = GemmConfig.parse(ran)
                         if not GemmKernel.can_implement(k, "f16", cfg, props.smem_per_block_optin):
@@ -235,12 +248,13 @@ def tune(
     return records
 
 
-def compile_candidates(ks, buckets, props, jobs: int, log) -> None:
-    """Every fp16 candidate tiling of the tuned buckets, compiled in parallel processes."""
+def compile_candidates(ks, buckets, props, jobs: int, log, extra=()) -> None:
+    """Every fp16 candidate tiling of the tuned buckets (``buckets`` None: all) and the
+    ``extra`` ones, compiled in parallel processes."""
     from kbit_cute import precompile
 
     names = sorted({n for m_max, _, ns in BUCKETS if buckets is None or m_max in buckets
-                    for n in ns})  # fmt: skip
+                    for n in ns} | set(extra))  # fmt: skip
     specs = [
         gemm_spec(k, "f16", GemmConfig.parse(n)) for k in ks for n in names
         if GemmKernel.can_implement(k, "f16", GemmConfig.parse(n), props.smem_per_block_optin)
@@ -486,6 +500,8 @@ def main(argv=None) -> None:
         default="all",
         help="--tune: every candidate tiling, or the table's per bucket",
     )
+    p.add_argument("--with", dest="extra", nargs="+", default=[], metavar="CONFIG",
+                   help="--tune: also these tilings in every bucket tuned")  # fmt: skip
     p.add_argument("--buckets", type=int, nargs="+", default=None,
                    help="--tune: only the buckets of these m_max (default: all)")  # fmt: skip
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
@@ -528,8 +544,17 @@ def main(argv=None) -> None:
     out_dir = Path(os.environ.get("OUT", "."))
     t0 = time.time()
     if args.tune:
+        for name in args.extra:
+            GemmConfig.parse(name)  # a misspelt tiling fails here, not after the compiles
         records = tune(
-            args.k, shapes, sm_count, log, args.candidates == "table", args.buckets, args.jobs
+            args.k,
+            shapes,
+            sm_count,
+            log,
+            args.candidates == "table",
+            args.buckets,
+            args.jobs,
+            tuple(args.extra),
         )
         path = args.json or out_dir / f"tune_gemm_k{''.join(map(str, args.k))}.json"
         path.write_text(json.dumps(dict(gpu=gpu, sm_count=sm_count, command=command,

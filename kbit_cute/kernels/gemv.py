@@ -120,13 +120,14 @@ CHUNK_WORDS = 4  # one cp.async moves 16 bytes
 # Partials a lane loads per round of the split-K reduction (``reduce_strip``): each round is
 # an L2 round trip, so rows x workers per round as large as registers allow.
 REDUCE_LOADS = 32
-# Slots an owner loads per polling round (``gather_strip``), by rows bucket m. Measured
-# (``perf.gemv_kernel_check``, 8 shapes, k = 2, 4, 5): 16 slot words per lane or fewer;
-# m = 4: 4 slots rather than 8 (14336x4096 k = 4 15.52 -> 14.88 us, 4096x2048 k = 2 6.10 ->
-# 5.43), m = 8: 2 rather than 4 (4096x2048 k = 2 7.82 -> 7.27); halving m = 1, 2, 4 again
-# was slower (2048x512 k = 4: 2.71 -> 2.90 at M = 1, 4.06 -> 4.97 at M = 4). m = 2 at 8
-# spilled on sm_90a. (All measured with row-major slots, a word per load.)
-POLL_WORKERS = {1: 16, 2: 6, 4: 4, 8: 2}
+# Slots an owner loads per polling round (``gather_strip``), by rows bucket m. With a slot's
+# rows adjacent (one 8/16-byte load per slot at m = 2/4) more slots per round pay: m = 4 at
+# 8 rather than 4 and m = 2 at 12 rather than 6 (session 23, ``perf.gemv_kernel_check``, 7
+# shapes x k = 2..5, alternating processes: M = 4 geomean 0.970, 2048x512 4.36 -> 3.92 us;
+# M = 2 0.984). m = 4 at 12 was slower (geomean 1.016), and m = 4 at 8 with a word per load
+# 1.055. m = 1 at 16, m = 8 at 2: earlier measurements (halving m = 1 slowed 2048x512 k = 4
+# from 2.71 to 2.90 us). m = 2 at 16 spills on sm_90a.
+POLL_WORKERS = {1: 16, 2: 12, 4: 8, 8: 2}
 # The copies address activations by 32-bit byte offsets (``copy_sources``): A (all of its
 # rows, in the grouped kernels) must be smaller.
 MAX_A_BYTES = 1 << 32
