@@ -128,6 +128,11 @@ REDUCE_LOADS = 32
 # 1.055. m = 1 at 16, m = 8 at 2: earlier measurements (halving m = 1 slowed 2048x512 k = 4
 # from 2.71 to 2.90 us). m = 2 at 16 spills on sm_90a.
 POLL_WORKERS = {1: 16, 2: 12, 4: 8, 8: 2}
+# An owner with at most this many slots takes rounds this wide instead: a wide round costs
+# its predicated loads and tests even where few slots are real (M = 4, k = 4, us, 4 per
+# round / 8 / this: 512x2048 2.82 / 2.98 / 2.86, 2048x8192 6.06 / 6.21 / 6.11; over 8
+# shapes x k = 2..5 against 4 per round: M = 4 geomean 0.977, M = 2 0.988; session 23).
+POLL_WORKERS_FEW = {2: 6, 4: 4}
 # The copies address activations by 32-bit byte offsets (``copy_sources``): A (all of its
 # rows, in the grouped kernels) must be smaller.
 MAX_A_BYTES = 1 << 32
@@ -972,14 +977,27 @@ class GemvKernel:
     @cute.jit
     def gather_strip(self, mWs, epi, wn, first_slot, later):
         """The owner's sum of a split strip: lane c sums column c over the strip's workers in
-        worker order (slots ``first_slot`` then ``later`` more, 2 apart), and stores. A
-        round loads ``batch`` workers' slots at once and reloads the empty ones together
-        until none is left (``load_slots``; between reloads it polls one word per slot,
-        ``await_probes``): one L2 round trip per round when the others are done, about two
-        after the last of them when not. Then it empties them."""
+        worker order (slots ``first_slot`` then ``later`` more, 2 apart), and stores; in
+        rounds of ``POLL_WORKERS`` slots, or ``POLL_WORKERS_FEW`` where that many hold them
+        all."""
+        few = POLL_WORKERS_FEW.get(self.m, 0)
+        if cutlass.const_expr(few > 0):
+            if later < few:
+                self.gather_rounds(mWs, epi, wn, first_slot, later, few)
+            else:
+                self.gather_rounds(mWs, epi, wn, first_slot, later, POLL_WORKERS[self.m])
+        else:
+            self.gather_rounds(mWs, epi, wn, first_slot, later, POLL_WORKERS[self.m])
+
+    @cute.jit
+    def gather_rounds(self, mWs, epi, wn, first_slot, later, batch: cutlass.Constexpr[int]):
+        """``gather_strip`` in rounds of ``batch`` slots: a round loads ``batch`` workers'
+        slots at once and reloads the empty ones together until none is left
+        (``load_slots``; between reloads it polls one word per slot, ``await_probes``): one
+        L2 round trip per round when the others are done, about two after the last of them
+        when not. Then it empties them."""
         lane = cute.arch.lane_idx()
         c = wn * WARP_COLS + lane
-        batch = POLL_WORKERS[self.m]
         words = cute.recast_ptr(mWs.iterator, dtype=Int32)
         v = [Float32(0.0) for _ in range(self.m)]
         parts = cute.make_rmem_tensor((batch * self.m,), Int32)
