@@ -274,6 +274,11 @@ def gemv_splits(N: int, K: int, sm_count: int, m_bucket: int = 1) -> int:
     3.79 -> 3.05 / 2.93 / 2.84 / 3.25, 3072x1024 8 -> 16 4.12 / 4.05 / 4.02 / 4.67 -> 3.43 /
     3.26 / 3.25 / 3.71, 1536x2048 4 -> 8 4.04 / 3.96 / 3.88 / 4.62 -> 3.37 / 3.21 / 3.17 /
     3.67; 2048x5120, 40 column tiles, wants 8, not 16; M = 2 at 2048x2048 8, not 16).
+    At M = 2, 4 (the wider split-K gather, session 23) >= 32 column tiles over < 128 K tiles
+    take at most 8 splits (us, M = 4, k = 2 / 4 / 5, 16 -> 8: 4096x4096 7.01 / 7.34 / 9.40 ->
+    5.92 / 6.47 / 8.50, 4096x6144 9.51 / 10.07 / 13.10 -> 6.85 / 7.64 / 10.68, 4096x5120 8.29 /
+    8.87 / 11.28 -> 6.93 / 7.69 / 10.79, 6144x4096 8.05 / 8.70 / 11.69 -> 7.30 / 8.15 / 11.20;
+    M = 2 0.91-1.01x); 8192x4096 and 14336x4096 keep 16 (8: 0.98-1.07x), as does M = 1.
     """
     n_tiles = -(-N // 128)
     k_tiles = -(-K // 64)
@@ -291,6 +296,8 @@ def gemv_splits(N: int, K: int, sm_count: int, m_bucket: int = 1) -> int:
         return 1 << (want.bit_length() - 1)
     else:
         min_kt = 2 if m_bucket == 1 and n_tiles <= 16 else 4
+        if 1 < m_bucket < 8 and n_tiles >= 32 and k_tiles < 128:
+            max_splits = 8
     want = min(-(-6 * sm_count // n_tiles), k_tiles // min_kt, max_splits)
     return 1 << (max(want, 1).bit_length() - 1)
 

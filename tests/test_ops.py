@@ -443,6 +443,11 @@ def test_gemv_splits_rule(K, N, splits):
         (512, 2048, 2, 4),  # short K from M = 2: runs of >= 2 tiles
         (512, 2048, 8, 4),
         (14336, 4096, 4, 16),
+        (4096, 4096, 4, 8),  # M = 2, 4: >= 32 column tiles over < 128 K tiles: at most 8
+        (6144, 4096, 2, 8),
+        (4096, 4096, 1, 16),  # (not at M = 1)
+        (8192, 4096, 4, 16),  # (nor over >= 128 K tiles)
+        (4096, 3072, 4, 16),  # (nor over 24 column tiles)
         (14336, 4096, 8, 8),  # M = 8: at most 8 (the owner's rounds hold 2 slots)
         (2048, 512, 8, 8),
         (4096, 14336, 8, 4),
