@@ -8,7 +8,8 @@ cuBLAS matmul peak measured in the same run):
   workers) against cuBLAS fp16 ``F.linear`` and dequantize + cuBLAS; us, TFLOP/s, weight GB/s
   and speedups. Qwen3-Coder-Next shapes at M = 16, 32 too.
 * ``--tune``: every candidate tiling x worker density (CTAs per SM, ``plan_workers``) per
-  M bucket and shape (``--candidates table``: only the table's tiling per bucket), then
+  M bucket and shape (``--candidates table``: only the table's tiling per bucket; ``--with
+  NAME ...``: these tilings too, in every bucket tuned), then
   ``--write-table`` turns the measurements into ``kbit_cute/kernels/gemm_table.py``
   (the fastest candidate per (k, M bucket) by geometric mean over the shapes; where
   dequantize + cuBLAS is faster, CUBLAS_FROM_M). Shapes whose weight is larger than the
