@@ -297,8 +297,8 @@ def gemv_splits(N: int, K: int, sm_count: int, m_bucket: int = 1) -> int:
         return 1 << (want.bit_length() - 1)
     else:
         min_kt = 2 if m_bucket == 1 and n_tiles <= 16 else 4
-        if 1 < m_bucket < 8 and n_tiles >= 32 and k_tiles < 128:
-            max_splits = 8
+        if m_bucket > 1 and n_tiles >= 32 and k_tiles < 128:
+            max_splits = 8  # (m_bucket 8's cap already)
     want = min(-(-6 * sm_count // n_tiles), k_tiles // min_kt, max_splits)
     return 1 << (max(want, 1).bit_length() - 1)
 

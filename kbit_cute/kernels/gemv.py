@@ -175,11 +175,9 @@ class GemvKernel:
     SELECT_WIDTHS_WIDE_M = {**SELECT_WIDTHS, 5: ()}
     # Split-K hand-over (``finish_strip``): the strip's owner polls the others' slots (its
     # workspace holds EMPTY_SLOT words between calls), or the counter's last arrival sums.
+    # The slots' layout follows (``strip_workspace``): the owner keeps a column's rows
+    # together, the counter path row-major.
     POLLED_HANDOVER = True
-    # A slot keeps a column's rows together (word column * m + row): the owner loads a slot's
-    # m rows at once (M = 4: one 16-byte load where it took four). Off: row-major slots,
-    # whose row-by-row loads across the lanes coalesce (``reduce_strip``).
-    SLOT_ROWS_INNER = True
 
     def __init__(
         self,
@@ -222,9 +220,6 @@ class GemvKernel:
         self.table = self.lookup in TABLE_ENTRY_BYTES  # a shared-memory table per CTA
         min_width = {"byte_tables": 4, "pair_table": 4, "quad_table": 2}.get(self.lookup, 1)
         self.field_width = field_bits(k, min_width)
-        if self.SLOT_ROWS_INNER and not self.POLLED_HANDOVER:
-            raise ValueError("SLOT_ROWS_INNER slots need POLLED_HANDOVER (reduce_strip's loads "
-                             "coalesce over row-major slots)")  # fmt: skip
         self.select_widths = (self.SELECT_WIDTHS_WIDE_M if m >= 4 else self.SELECT_WIDTHS)[k]
         # Workers (quads of 4 column warps) per CTA. The 64 KB pair table is shared by as
         # many quads as the shared memory of an SM holds besides it, up to 7 (at 8, 64
@@ -265,7 +260,7 @@ class GemvKernel:
             )
         self.ctas_per_sm = max(1, min(65536 // (self.regs * self.threads), smem_per_sm() // smem))
         # Programmatic dependent launch (sm_90 on): the launch may start while the kernel
-        # before it still runs; ``wait_previous`` before any memory access keeps it safe.
+        # before it still runs; ``wait_previous_kernel`` before any memory access keeps it safe.
         self.pdl = target_arch_family() == "sm_90"
         # The prefetch pays where CTAs land early (one per SM: multi-quad CTAs; k = 5 with 7
         # quads, 2048x2048 5.86 -> 5.24 us); one-quad CTAs lost by it (k = 5 when it had
@@ -320,10 +315,12 @@ class GemvKernel:
 
     def strip_workspace(self, pWorkspace: cute.Pointer, workers) -> cute.Tensor:
         """The split-K workspace as (column of a strip, row, slot) fp32: two slots per
-        worker, its first strip's partial and its last one's (``finish_strip``); a column's
-        rows adjacent with ``SLOT_ROWS_INNER``."""
+        worker, its first strip's partial and its last one's (``finish_strip``). Polled
+        hand-over: a column's m rows adjacent, which the owner loads at once (M = 4: one
+        16-byte load where it took four); counter path: row-major, whose row-by-row loads
+        coalesce across the lanes (``reduce_strip``)."""
         m = self.m
-        stride = (m, 1, m * TILE_N) if self.SLOT_ROWS_INNER else (1, TILE_N, m * TILE_N)
+        stride = (m, 1, m * TILE_N) if self.POLLED_HANDOVER else (1, TILE_N, m * TILE_N)
         layout = cute.make_layout((TILE_N, m, 2 * workers), stride=stride)
         return cute.make_tensor(pWorkspace, layout)
 
@@ -379,7 +376,7 @@ class GemvKernel:
         if cutlass.const_expr(self.prefetch_tiles > 0):
             if warp % WARPS == 0 and worker < workers:
                 self.prefetch_first_tiles(mW, mS, pCodebook, nt_first, u_begin, u_end, k_tiles)
-        self.wait_previous()
+        wait_previous_kernel(self.pdl)
 
         # Table kernels: the first K tiles' copies go out before the pair table is filled,
         # so that their DRAM latency and the fill overlap (k = 2..4, 2048x512 to 4096x14336:
@@ -417,7 +414,7 @@ class GemvKernel:
                 # split-K gather: its CTAs land and prefetch while the owners wait for the
                 # others' partials (8192x28672 k = 2, 3 1.5-3% faster, other shapes within
                 # +-1%).
-                self.let_next_start()
+                let_next_kernel_start(self.pdl)
                 self.gather_owned_strips(
                     worker, (pScale, mBias, mOut, has_bias), mWs, wn, (units, workers, k_tiles)
                 )
@@ -426,7 +423,7 @@ class GemvKernel:
         # (The signal at the start in every CTA measured no better, perf/NOTES.md session 21;
         # when CTAs of the next launch could share an SM with working ones, they slowed
         # them: k = 5 with one-quad CTAs, 14336x4096, 23 -> 34 us.)
-        self.let_next_start()
+        let_next_kernel_start(self.pdl)
 
     @cute.jit
     def prime_first_strip(self, mA, mW, mS, ring, rows, col0, run, busy):
@@ -454,16 +451,6 @@ class GemvKernel:
                 prefetch_l2(mS.iterator + off, TILE_N * BLOCKS_PER_TILE_K)
         if lane == 31:
             prefetch_l2(pCodebook, 4 << self.k)  # 16-byte aligned (the launch checks)
-
-    @cute.jit
-    def wait_previous(self):
-        """``wait_previous_kernel`` under this kernel's launch mode."""
-        wait_previous_kernel(self.pdl)
-
-    @cute.jit
-    def let_next_start(self):
-        """``let_next_kernel_start`` under this kernel's launch mode."""
-        let_next_kernel_start(self.pdl)
 
     def stage_words(self) -> int:
         """Int32 words of one warp's ring stage: its 32 columns' plane words for both
@@ -1011,8 +998,7 @@ class GemvKernel:
                     slot = self.strip_slot(first_slot, b0 + j)
                     for m in cutlass.range_constexpr(self.m):
                         v[m] = v[m] + bits_to_f32(parts[j * self.m + m])
-                    for m0, n in self.slot_runs():
-                        empty_slot_words(words + cute.crd2idx((c, m0, slot), mWs.layout), n)
+                    empty_slot_words(words + cute.crd2idx((c, 0, slot), mWs.layout), self.m)
         self.store_columns(v, epi, wn)
 
     @cute.jit
@@ -1045,30 +1031,22 @@ class GemvKernel:
         for j in cutlass.range_constexpr(batch):
             slot = self.strip_slot(first_slot, b0 + j)
             real = b0 + j <= later
-            for m0, n in self.slot_runs():  # rows m0 .. m0 + n - 1: adjacent words
-                run = [j * self.m + m0 + r for r in range(n)]
-                if cutlass.const_expr(first):
-                    for i in run:
-                        parts[i] = Int32(0)
-                empty = Int32(1)  # the first pass loads every slot
-                if cutlass.const_expr(not first):
-                    empty = Int32(0)
-                    for i in run:
-                        empty = empty | Int32(parts[i] == Int32(EMPTY_SLOT))
-                if real and empty != 0:
-                    got = load_slot_words(words + cute.crd2idx((c, m0, slot), layout), n)
-                    for i, x in zip(run, got, strict=True):
-                        parts[i] = x
+            run = [j * self.m + r for r in range(self.m)]  # the slot column's m adjacent words
+            if cutlass.const_expr(first):
                 for i in run:
-                    pending = pending | Int32(parts[i] == Int32(EMPTY_SLOT))
+                    parts[i] = Int32(0)
+            empty = Int32(1)  # the first pass loads every slot
+            if cutlass.const_expr(not first):
+                empty = Int32(0)
+                for i in run:
+                    empty = empty | Int32(parts[i] == Int32(EMPTY_SLOT))
+            if real and empty != 0:
+                got = load_slot_words(words + cute.crd2idx((c, 0, slot), layout), self.m)
+                for i, x in zip(run, got, strict=True):
+                    parts[i] = x
+            for i in run:
+                pending = pending | Int32(parts[i] == Int32(EMPTY_SLOT))
         return pending
-
-    def slot_runs(self) -> list[tuple[int, int]]:
-        """A slot column's rows as (first row, count) runs of adjacent words that one access
-        takes (``load_slot_words``): all m rows with ``SLOT_ROWS_INNER``, else one by one."""
-        if self.SLOT_ROWS_INNER:
-            return [(0, self.m)]
-        return [(m, 1) for m in range(self.m)]
 
     def outputs(self, acc, t) -> list:
         """[(value, activation row, column - g of the warp's 32)] of the thread's
@@ -1104,7 +1082,7 @@ class GemvKernel:
         """Lane c sums column c of the strip over the partial slots (``first_slot``, then
         ``later`` more, 2 apart), in worker order, all m rows at once: each round of loads
         is one L2 round trip for ``batch`` workers, coalesced across the warp (row-major
-        slots: kernels on this path keep ``SLOT_ROWS_INNER`` off, ``__init__`` checks)."""
+        slots on this path: ``strip_workspace``)."""
         lane = cute.arch.lane_idx()
         c = wn * WARP_COLS + lane
         batch = max(2, REDUCE_LOADS // self.m)

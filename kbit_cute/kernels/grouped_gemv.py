@@ -51,6 +51,7 @@ from cutlass.memory import SmemAllocator
 from ..format import BLOCKS_PER_TILE_K, TILE_K, TILE_N
 from ..layouts import weight_absmax_layout, weight_words_layout
 from .device_helpers import (
+    let_next_kernel_start,
     load_cluster_f32,
     prefetch_l2,
     run_start,
@@ -58,6 +59,7 @@ from .device_helpers import (
     split_k_arrive,
     sum_split_partials,
     target_arch_family,
+    wait_previous_kernel,
 )
 from .gemv import (
     _DTYPES,
@@ -312,7 +314,7 @@ class GroupedGemvKernel(GemvKernel):
         )
 
         if overlap == 0:
-            self.wait_previous()
+            wait_previous_kernel(self.pdl)
         find_work_slot(mOff, slot, sScan, self.threads)  # the slot-th expert with rows
         expert = sScan[WARPS]
         row_begin = sScan[WARPS + 1]
@@ -340,8 +342,8 @@ class GroupedGemvKernel(GemvKernel):
             acc = ctx[-1]
             if overlap != 0:
                 self.prefetch_weights(mWe, mSe, cta_col, inter, kt_begin, kt_end)
-                self.wait_previous()
-                self.let_next_start()
+                wait_previous_kernel(self.pdl)
+                let_next_kernel_start(self.pdl)
             mWs = cute.make_tensor(
                 pWorkspace,
                 cute.make_layout(
@@ -367,7 +369,7 @@ class GroupedGemvKernel(GemvKernel):
                     acc, scale, mOut, mWs, sOut, splits, p, row_begin, left, cta_col, t
                 )
             if overlap == 0:
-                self.let_next_start()
+                let_next_kernel_start(self.pdl)
 
             if splits > 1 and not cutlass.const_expr(self.cluster):
                 if split_k_arrive(pCounters + slot * groups + group, splits, sFlag) != 0:
@@ -533,7 +535,6 @@ class GroupedStreamKernel(GemvKernel):
     # Not yet on the polled hand-over: an owner's sum needs the strip's epilogue from the slot
     # table (gather_owned_strips takes the GEMV's), and its 8-row slots allow 2 per round.
     POLLED_HANDOVER = False
-    SLOT_ROWS_INNER = False  # its counter path's row-by-row loads coalesce across lanes
     REGISTER_LOOKUP_QUADS = 1  # k = 5: one quad per CTA (measured with it)
 
     def __init__(self, k: int, dtype: type[cutlass.Numeric], gate_up: bool, stages=None):
@@ -602,7 +603,7 @@ class GroupedStreamKernel(GemvKernel):
         g, t = lane // 4, lane % 4
 
         if overlap == 0:
-            self.wait_previous()
+            wait_previous_kernel(self.pdl)
         smem = SmemAllocator()
         ctx = self.make_mainloop(smem, pCodebook, t)  # (the pair table syncs the CTA)
         acc = ctx[-1]
@@ -632,8 +633,8 @@ class GroupedStreamKernel(GemvKernel):
         run = (u_begin, u_end, strip_first, strip_end)
         if overlap != 0:
             self.prefetch_run(mW, mS, sSlots, run, k_tiles, groups, inter)
-            self.wait_previous()
-            self.let_next_start()
+            wait_previous_kernel(self.pdl)
+            let_next_kernel_start(self.pdl)
 
         per_group = GATE_UP_COLS if cutlass.const_expr(self.gate_up) else COLS_PER_GROUP
         lay = stream_column_layout(self.gate_up, inter)
@@ -663,7 +664,7 @@ class GroupedStreamKernel(GemvKernel):
             self.finish_strip(acc, epi, mWs, pCounters, strip, wn, t, wslot,
                               (units, workers, k_tiles))  # fmt: skip
         if overlap == 0:
-            self.let_next_start()
+            let_next_kernel_start(self.pdl)
 
     @cute.jit
     def slot_table(self, mOff, R, sSlots, sWarp, slots) -> Int32:
