@@ -41,6 +41,11 @@ def bits_to_f32(bits: Int32) -> Float32:
 
 
 @cute.jit
+def f32_to_bits(x: Float32) -> Int32:
+    return Int32(llvm.bitcast(Int32.mlir_type, Float32(x).ir_value()))
+
+
+@cute.jit
 def decode_e4m4(code: Int32) -> Float32:
     """E4M4 byte (bias 11) -> fp32, branch-free and exact.
 
@@ -596,18 +601,26 @@ def load_slot_words(ptr: cute.Pointer, n: cutlass.Constexpr[int]) -> list:
 
 
 @cute.jit
-def empty_slot_words(ptr: cute.Pointer, n: cutlass.Constexpr[int]) -> None:
-    """Leave n consecutive slot words EMPTY_SLOT (as ``load_slot_words``: one store per 4)."""
+def store_slot_words(ptr: cute.Pointer, words: list) -> None:
+    """Store consecutive Int32 slot words (1, 2, 4 or 8; ``ptr`` aligned as in
+    ``load_slot_words``) for other CTAs to read (relaxed, GPU scope): one store per 4."""
+    n = len(words)
     assert n in (1, 2, 4, 8), f"slot runs of 1, 2, 4 or 8 words, not {n}"
     if cutlass.const_expr(n == 1):
-        cute.arch.store(ptr, Int32(EMPTY_SLOT), sem="relaxed", scope="gpu")
+        cute.arch.store(ptr, Int32(words[0]), sem="relaxed", scope="gpu")
     else:
         width = min(n, SLOT_VECTOR_WORDS)
         vt = ir.VectorType.get([width], Int32.mlir_type)
-        empty = vector.from_elements(vt, [Int32(EMPTY_SLOT).ir_value()] * width)
         for i in cutlass.range_constexpr(n // width):
-            cute.arch.store(_slot_vector_ptr(ptr + i * width, width), empty, sem="relaxed",
-                            scope="gpu")  # fmt: skip
+            part = [Int32(w).ir_value() for w in words[i * width : (i + 1) * width]]
+            cute.arch.store(_slot_vector_ptr(ptr + i * width, width),
+                            vector.from_elements(vt, part), sem="relaxed", scope="gpu")  # fmt: skip
+
+
+@cute.jit
+def empty_slot_words(ptr: cute.Pointer, n: cutlass.Constexpr[int]) -> None:
+    """Leave n consecutive slot words EMPTY_SLOT (``store_slot_words``)."""
+    store_slot_words(ptr, [Int32(EMPTY_SLOT)] * n)
 
 
 SLOT_POLL_NS = 128  # back-off between polls of an empty slot (a poll's L2 round trip: ~500 ns)

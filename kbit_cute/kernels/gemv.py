@@ -72,6 +72,7 @@ from .device_helpers import (
     codebook_x2_pairs,
     cp_async_chunk,
     empty_slot_words,
+    f32_to_bits,
     field_bits,
     handover_owner,
     let_next_kernel_start,
@@ -86,6 +87,7 @@ from .device_helpers import (
     run_start,
     scaled_byte_tables,
     smem_per_sm,
+    store_slot_words,
     target_arch_family,
     wait_previous_kernel,
     warp_split_arrive,
@@ -905,6 +907,15 @@ class GemvKernel:
         w_hi = worker_of(strip * k_tiles + k_tiles - 1, units, workers, wide)
         if w_lo == w_hi:
             self.store_fragment(acc, epi, wn, t)
+        elif cutlass.const_expr(self.stores_row_pairs()):
+            # Rows 2t, 2t + 1 of a column are adjacent words: one 8-byte store for both.
+            in_tile0 = wn * WARP_COLS + lane // 4
+            words = cute.recast_ptr(mWs.iterator, dtype=Int32)
+            outs = self.outputs(acc, t)
+            for (v0, m, col), (v1, _, _) in zip(outs[0::2], outs[1::2], strict=True):
+                if m < self.m:
+                    ptr = words + cute.crd2idx((in_tile0 + col, m, slot), mWs.layout)
+                    store_slot_words(ptr, [f32_to_bits(v0), f32_to_bits(v1)])
         else:
             in_tile0 = wn * WARP_COLS + lane // 4
             for v, m, col in self.outputs(acc, t):
@@ -1047,6 +1058,12 @@ class GemvKernel:
             for i in run:
                 pending = pending | Int32(parts[i] == Int32(EMPTY_SLOT))
         return pending
+
+    def stores_row_pairs(self) -> bool:
+        """Whether a split's writer stores its (row 2t, 2t + 1) accumulator pairs with one
+        8-byte store: adjacent words (the polled hand-over's slots) and the C fragment's row
+        pairs (``outputs``: not ``split_blocks``), from m = 2."""
+        return self.POLLED_HANDOVER and not self.split_blocks and self.m >= 2
 
     def outputs(self, acc, t) -> list:
         """[(value, activation row, column - g of the warp's 32)] of the thread's
