@@ -445,7 +445,10 @@ def test_gemv_splits_rule(K, N, splits):
         (14336, 4096, 4, 16),
         (4096, 4096, 4, 8),  # M = 2, 4: >= 32 column tiles over < 128 K tiles: at most 8
         (6144, 4096, 2, 8),
-        (4096, 4096, 1, 16),  # (not at M = 1)
+        (4096, 4096, 1, 16),  # (M = 1: from 48 column tiles)
+        (4096, 6144, 1, 8),
+        (4096, 5120, 1, 16),
+        (8192, 6144, 1, 16),  # (nor over >= 128 K tiles)
         (8192, 4096, 4, 16),  # (nor over >= 128 K tiles)
         (4096, 3072, 4, 16),  # (nor over 24 column tiles)
         (14336, 4096, 8, 8),  # M = 8: at most 8 (the owner's rounds hold 2 slots)

@@ -48,7 +48,10 @@ COMMAND = (
     "python -m perf.bench_gemm --tune --candidates table --with m128n256k128s3w1x8rg "
     "m128n128k128s3w1x8rg m128n256k128s3w1x8g m128n128k128s3w1x8g --buckets 128 256 512 --k 2 "
     "3 --json /root/out/tune_k128_k23.json; python -m perf.bench_gemm --write-table-from "
-    "tune_k128_k45.json tune_k128_k23.json"
+    "tune_k128_k45.json tune_k128_k23.json; then python -m perf.bench_gemm --tune "
+    "--candidates table --with m128n128k64s4w1x8rg m256n128k64s5w1x8lg --buckets 512 --k 3 4 "
+    "--jobs 16 --json /root/out/tune512.json; python -m perf.bench_gemm --write-table-from "
+    "tune512.json"
 )
 
 RULES = {
@@ -76,7 +79,7 @@ RULES = {
         (64, "m64n256k64s6w1x8rg", 1, 16),
         (128, "m128n128k64s4w1x8rg", 1, 16),
         (256, "m256n128k64s5w1x8lg", 1, 16),
-        (512, "m256n128k64s4w1x8rg", 1, 16),
+        (512, "m256n128k64s5w1x8lg", 1, 16),
         (2147483648, "m64n128k64s3w1x4l", 1, 16),
     ],
     5: [
@@ -89,7 +92,7 @@ RULES = {
         (2147483648, "m64n256k64s3w1x8l", 1, 16),
     ],
 }
-CUBLAS_FROM_M = {2: 1024, 3: 512, 4: 512, 5: 512}
+CUBLAS_FROM_M = {2: 1024, 3: 1024, 4: 512, 5: 512}
 RULES_OVER_L2 = {
     2: [
         (16, "m16n128k128s4w1x4", 4, 16),
@@ -106,7 +109,7 @@ RULES_OVER_L2 = {
         (64, "m64n128k64s4w1x4rg", 3, 16),
         (128, "m128n256k64s4w1x8rg", 1, 16),
         (256, "m256n128k64s4w1x8g", 1, 16),
-        (512, "m128n256k128s3w1x8rg", 2, 16),
+        (512, "m128n128k64s4w1x8rg", 1, 16),
         (2147483648, "m256n128k64s5w1x8lg", 1, 16),
     ],
     4: [
@@ -115,7 +118,7 @@ RULES_OVER_L2 = {
         (64, "m64n256k64s6w1x8rg", 1, 16),
         (128, "m128n256k64s4w1x8rg", 1, 16),
         (256, "m256n128k64s4w1x8rg", 1, 16),
-        (512, "m128n256k128s3w1x8rg", 1, 16),
+        (512, "m256n128k64s5w1x8lg", 1, 16),
         (2147483648, "m256n128k64s4w1x8rg", 1, 16),
     ],
     5: [
