@@ -279,10 +279,13 @@ def gemv_splits(N: int, K: int, sm_count: int, m_bucket: int = 1) -> int:
     5.92 / 6.47 / 8.50, 4096x6144 9.51 / 10.07 / 13.10 -> 6.85 / 7.64 / 10.68, 4096x5120 8.29 /
     8.87 / 11.28 -> 6.93 / 7.69 / 10.79, 6144x4096 8.05 / 8.70 / 11.69 -> 7.30 / 8.15 / 11.20;
     M = 2 0.91-1.01x); 8192x4096 (8: 0.97-1.03x) and 14336x4096 (1.02-1.08x) keep 16.
-    M = 1 caps at 8 from 48 column tiles over < 128 K tiles (``--workers auto s8 s16``, 8 shapes,
+    M = 1 caps at 8 from 48 column tiles over <= 128 K tiles (``--workers auto s8 s16``,
     session 24, us, k = 2 / 3 / 4 / 5, 16 -> 8: 4096x6144 7.12 / 7.56 / 7.65 / 10.63 -> 6.32 /
-    6.81 / 7.07 / 10.10) but keeps 16 below (4096x5120, 40 tiles: equal, k = 5 9.27 -> 9.93;
-    4096x4096, 6144x4096, 5120x5120, 8192x4096 1-8% slower with 8).
+    6.81 / 7.07 / 10.10; 3072x6144, 5120x6144, 6144x6144, 4096x7168, 6144x7168, 8192x6144 2-13%
+    faster but for single points within 2%; 4096x7680, 60 tiles, whose 960 runs overflow one
+    wave: 14.16 / 14.77 / 15.19 / 20.39 -> 7.65 / 8.18 / 8.27 / 12.48) but keeps 16 below
+    (4096x5120, 40 tiles: equal, k = 5 9.27 -> 9.93; 4096x4096, 6144x4096, 5120x5120,
+    8192x4096 1-8% slower with 8).
     """
     n_tiles = -(-N // 128)
     k_tiles = -(-K // 64)
@@ -300,7 +303,13 @@ def gemv_splits(N: int, K: int, sm_count: int, m_bucket: int = 1) -> int:
         return 1 << (want.bit_length() - 1)
     else:
         min_kt = 2 if m_bucket == 1 and n_tiles <= 16 else 4
-        if k_tiles < 128 and n_tiles >= (32 if m_bucket > 1 else 48):
+        # At most 8 splits where 8 still give ~3 runs per SM (M = 1: from 48 column tiles;
+        # 32 tiles x 8 splits, 2 runs per SM, measured slower) or, at M = 2, 4, where the
+        # gather's longer rounds make each split dearer (from 32 tiles).
+        few_runs = n_tiles >= 48 and k_tiles <= 128
+        if m_bucket > 1:
+            few_runs = n_tiles >= 32 and k_tiles < 128
+        if few_runs:
             max_splits = 8  # (m_bucket 8's cap already)
     want = min(-(-6 * sm_count // n_tiles), k_tiles // min_kt, max_splits)
     return 1 << (max(want, 1).bit_length() - 1)

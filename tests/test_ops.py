@@ -448,7 +448,9 @@ def test_gemv_splits_rule(K, N, splits):
         (4096, 4096, 1, 16),  # (M = 1: from 48 column tiles)
         (4096, 6144, 1, 8),
         (4096, 5120, 1, 16),
-        (8192, 6144, 1, 16),  # (nor over >= 128 K tiles)
+        (4096, 7680, 1, 8),  # (16 splits: 960 runs, past one wave)
+        (8192, 6144, 1, 8),
+        (14336, 6144, 1, 16),  # (M = 1: nor over > 128 K tiles)
         (8192, 4096, 4, 16),  # (nor over >= 128 K tiles)
         (4096, 3072, 4, 16),  # (nor over 24 column tiles)
         (14336, 4096, 8, 8),  # M = 8: at most 8 (the owner's rounds hold 2 slots)
