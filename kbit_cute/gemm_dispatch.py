@@ -148,20 +148,28 @@ def weight_over_l2(N: int, K: int, k: int, l2_bytes: int | None) -> bool:
     return l2_bytes is not None and weight_bytes(N, K, k) > l2_bytes
 
 
-def prefer_cublas(M: int, k: int, weight_over_l2: bool = False) -> bool:
+def prefer_cublas(
+    M: int, k: int, weight_over_l2: bool = False, elements: int | None = None
+) -> bool:
     """True where the table measured dequantize + cuBLAS faster than the kernel (for
-    weights over the L2 their own threshold, where one was measured)."""
+    weights over the L2 their own threshold, where one was measured; for a weight of at
+    most a ``CUBLAS_FROM_M_SMALL`` row's N x K ``elements``, that row's M for k if lower)."""
     thresholds = gemm_table.CUBLAS_FROM_M
     if weight_over_l2 and k in gemm_table.CUBLAS_FROM_M_OVER_L2:
         thresholds = gemm_table.CUBLAS_FROM_M_OVER_L2
     m0 = thresholds.get(k)
+    if elements is not None and not weight_over_l2:
+        row = next((r for size, r in gemm_table.CUBLAS_FROM_M_SMALL if elements <= size), {})
+        small = row.get(k)
+        if small is not None:
+            m0 = small if m0 is None else min(m0, small)
     return m0 is not None and M >= m0
 
 
 def use_cublas(M: int, N: int, K: int, k: int, dev: int) -> bool:
     """Whether ``kbit_cute.gemm`` takes dequantize + cuBLAS for this problem on CUDA device
-    ``dev`` (``prefer_cublas`` with the weight's class; asked per call)."""
-    return prefer_cublas(M, k, _over_l2_on(N, K, k, dev))
+    ``dev`` (``prefer_cublas`` with the weight's class and size; asked per call)."""
+    return prefer_cublas(M, k, _over_l2_on(N, K, k, dev), N * K)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -690,8 +690,8 @@ def _gemv(A, qw: KbitWeight, bias, out, M: int, workers: int | None = None):
 
 def _gemm_large_m(A, packed, absmax, codebook, scale, k, N, K, bias, out):
     """M > GEMV_MAX_M: the mma.sync GEMM (deterministic split-K), or from the measured crossover
-    (``gemm_table.CUBLAS_FROM_M``, for weights over the L2 ``CUBLAS_FROM_M_OVER_L2``)
-    dequantize to A's dtype and call cuBLAS."""
+    (``gemm_table.CUBLAS_FROM_M``, for weights over the L2 ``CUBLAS_FROM_M_OVER_L2``, for
+    small weights ``CUBLAS_FROM_M_SMALL``) dequantize to A's dtype and call cuBLAS."""
     from . import gemm_dispatch
 
     M = A.numel() // K

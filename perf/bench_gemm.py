@@ -17,10 +17,15 @@ cuBLAS matmul peak measured in the same run):
   (TUNE_SHAPES) hold two such weights and four that fit. Tune one k per command to stay
   within 10 minutes, then merge:
   ``--write-table-from tune_k2.json tune_k3.json ...``.
+* ``--write-small-from report.json ...``: from reports on weights smaller than the tune's
+  (``--shapes``, M of 64 and more), the sizes up to which dequantize + cuBLAS wins from a
+  smaller M than CUBLAS_FROM_M (CUBLAS_FROM_M_SMALL).
 
     python -m perf.bench_gemm --tune --k 4 --json $OUT/tune_k4.json
     python -m perf.bench_gemm --write-table-from tune_k*.json
     python -m perf.bench_gemm --k 2 3 4 5           # the report, with the new table
+    python -m perf.bench_gemm --shapes 2048x512 4096x2048 --m 64 128 256 512 --no-qwen \
+        --json $OUT/small.json; python -m perf.bench_gemm --write-small-from small.json
 """
 
 from __future__ import annotations
@@ -279,6 +284,7 @@ class TableUpdate(NamedTuple):
     cublas_from: dict
     rules_over_l2: dict
     cublas_from_over_l2: dict
+    cublas_from_small: list | None = None  # None: the table's rows stay
 
 
 def table_from(records: list[dict], keep_tilings: bool = False) -> TableUpdate:
@@ -300,6 +306,31 @@ def table_from(records: list[dict], keep_tilings: bool = False) -> TableUpdate:
     old_over = {**gemm_table.CUBLAS_FROM_M, **gemm_table.CUBLAS_FROM_M_OVER_L2}
     rules_over, cublas_over = _class_table(over, old_over)
     return TableUpdate(rules, cublas_from, rules_over, cublas_over)
+
+
+def small_weight_rows(records: list[dict]) -> list[tuple[int, dict]]:
+    """CUBLAS_FROM_M_SMALL from report records (``kernel_us`` and ``dequant_cublas_us`` per
+    shape, k and M): per weight size (N x K elements; shapes of one size together) and k,
+    the smallest measured M from which dequantize + cuBLAS wins at every larger measured M
+    (geometric mean over the shapes of kernel / dequantize + cuBLAS; None: the kernel won
+    at the largest M). Rows by size, up to the largest size with a threshold."""
+    ratios: dict[int, dict[int, dict[int, list]]] = {}
+    for r in records:
+        by_k = ratios.setdefault(r["K"] * r["N"], {}).setdefault(r["k"], {})
+        by_k.setdefault(r["M"], []).append(r["kernel_us"] / r["dequant_cublas_us"])
+    rows = []
+    for size in sorted(ratios):
+        from_m = {}
+        for k, by_m in sorted(ratios[size].items()):
+            from_m[k] = None
+            for M in sorted(by_m, reverse=True):
+                if _geomean(by_m[M]) <= 1.0:
+                    break
+                from_m[k] = M
+        rows.append((size, from_m))
+    while rows and all(m is None for m in rows[-1][1].values()):
+        rows.pop()
+    return rows
 
 
 def _class_table(records: list[dict], old_cublas_from: dict) -> tuple[dict, dict]:
@@ -384,6 +415,9 @@ def write_table(update: TableUpdate, gpu: str, command: str, path: Path = TABLE_
 
     all_rules, kept = _merged(gemm_table.RULES, update.rules)
     all_over, kept_over = _merged(gemm_table.RULES_OVER_L2, update.rules_over_l2)
+    small = update.cublas_from_small
+    if small is None:
+        small = gemm_table.CUBLAS_FROM_M_SMALL
     if kept or kept_over:  # the kept rows were measured by the commands before
         command = f"{gemm_table.COMMAND}; then {command}"
     all_cublas = {**gemm_table.CUBLAS_FROM_M, **update.cublas_from}
@@ -402,6 +436,9 @@ def write_table(update: TableUpdate, gpu: str, command: str, path: Path = TABLE_
         "+ cuBLAS was measured faster than the kernel (None: the kernel always won).",
         "RULES_OVER_L2 / CUBLAS_FROM_M_OVER_L2: the same for weights larger than the L2, tuned",
         "on such weights only; where they have no row for M, RULES applies.",
+        "CUBLAS_FROM_M_SMALL: rows (N x K elements, {k: M}) for weights that fit the L2: the",
+        "first row whose size holds the weight lowers k's threshold to M (a small weight",
+        "dequantizes in a few microseconds; the kernel's few tiles leave the GPU idle).",
         '"""',
         "",
         f"PROVISIONAL = {bool(partial)}" + (f"  # k = {partial} not measured" if partial else ""),
@@ -414,6 +451,9 @@ def write_table(update: TableUpdate, gpu: str, command: str, path: Path = TABLE_
         f"CUBLAS_FROM_M = {dict(sorted(all_cublas.items()))!r}",
         *_rules_lines("RULES_OVER_L2", all_over),
         f"CUBLAS_FROM_M_OVER_L2 = {dict(sorted(all_cublas_over.items()))!r}",
+        "CUBLAS_FROM_M_SMALL = [",
+        *[f"    ({size}, {dict(sorted(by_k.items()))!r})," for size, by_k in small],
+        "]",
         "",
     ]
     path.write_text("\n".join(lines))
@@ -509,6 +549,9 @@ def main(argv=None) -> None:
                    help="--tune: parallel compiles of the candidates")  # fmt: skip
     p.add_argument("--write-table", action="store_true", help="with --tune: write the table")
     p.add_argument("--write-table-from", nargs="+", type=Path, help="tune JSONs -> the table")
+    p.add_argument("--write-small-from", nargs="+", type=Path,
+                   help="report JSONs (kernel and dequantize + cuBLAS per point) -> the "
+                        "table's CUBLAS_FROM_M_SMALL")  # fmt: skip
     p.add_argument("--keep-tilings", action="store_true",
                    help="--write-table-from: only tilings the table already has")  # fmt: skip
     p.add_argument("--atomic", action="store_true",
@@ -532,6 +575,19 @@ def main(argv=None) -> None:
         write_table(update, " / ".join(sorted(gpus)), command)
         print(f"wrote {TABLE_PATH}: k = {sorted(update.rules)}, "
               f"over the L2 k = {sorted(update.rules_over_l2)}")  # fmt: skip
+        return
+
+    if args.write_small_from:
+        recs, gpus, reports = [], set(), []
+        for path in args.write_small_from:
+            data = json.loads(path.read_text())
+            recs += data["records"]
+            gpus.add(data["gpu"])
+            reports.append(data["command"])
+        rows = small_weight_rows(recs)
+        write_table(TableUpdate({}, {}, {}, {}, rows), " / ".join(sorted(gpus)),
+                    "; ".join([*reports, command]))  # fmt: skip
+        print(f"wrote {TABLE_PATH}: CUBLAS_FROM_M_SMALL = {rows}")
         return
 
     if not torch.cuda.is_available():

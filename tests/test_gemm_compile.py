@@ -520,3 +520,50 @@ def test_weight_bytes_match_a_quantized_weight(gen):
     for k, (N, K) in zip(KS, [(200, 96), (128, 64), (300, 1056), (1, 32)], strict=True):
         qw = fmt.quantize(torch.randn(N, K, generator=gen), k)
         assert gd.weight_bytes(N, K, k) == qw.nbytes
+
+
+def test_small_weights_take_cublas_from_their_own_rows(tmp_path, monkeypatch):
+    """``bench_gemm --write-small-from``: per weight size and k the smallest M from which
+    dequantize + cuBLAS won at every larger M (None where the kernel won at the largest);
+    the written rows lower k's general threshold for weights up to their size, never raise
+    it, and leave weights over the L2 and larger weights alone."""
+    import importlib.util
+
+    from perf import bench_gemm as bg
+
+    recs = []
+    # (K, N) -> per M: kernel / dequantize + cuBLAS for k = 2 and k = 4
+    wins = {(2048, 512): {64: (2, 2), 128: (2, 2), 256: (2, 2)},
+            (4096, 2048): {64: (0.5, 0.5), 128: (2, 0.5), 256: (2, 2)},
+            (4096, 4096): {64: (0.5, 0.5), 128: (0.5, 0.5), 256: (0.5, 2)},
+            (8192, 4096): {64: (0.5, 0.5), 128: (0.5, 0.5), 256: (0.5, 0.5)}}  # fmt: skip
+    for (K, N), by_m in wins.items():
+        for M, ratios in by_m.items():
+            for k, ratio in zip((2, 4), ratios, strict=True):
+                recs.append(dict(K=K, N=N, k=k, M=M, kernel_us=10.0 * ratio,
+                                 dequant_cublas_us=10.0))  # fmt: skip
+    rows = bg.small_weight_rows(recs)
+    assert rows == [(1 << 20, {2: 64, 4: 64}), (1 << 23, {2: 128, 4: 256}),
+                    (1 << 24, {2: None, 4: 256})]  # fmt: skip
+    path = tmp_path / "table.py"
+    bg.write_table(bg.TableUpdate({}, {}, {}, {}, rows), "Test GPU", "bench --small", path)
+    spec = importlib.util.spec_from_file_location("t", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.CUBLAS_FROM_M_SMALL == rows and mod.RULES == gemm_table.RULES
+    assert mod.CUBLAS_FROM_M == gemm_table.CUBLAS_FROM_M
+    assert mod.COMMAND.startswith(gemm_table.COMMAND) and mod.COMMAND.endswith("bench --small")
+
+    monkeypatch.setattr(gemm_table, "CUBLAS_FROM_M_SMALL", rows)
+    monkeypatch.setitem(gemm_table.CUBLAS_FROM_M, 2, 1024)
+    monkeypatch.setitem(gemm_table.CUBLAS_FROM_M, 4, 128)
+    assert gd.prefer_cublas(64, 2, elements=2048 * 512)  # the first row that holds it
+    assert not gd.prefer_cublas(32, 2, elements=2048 * 512)
+    assert gd.prefer_cublas(128, 2, elements=2048 * 2048) and not gd.prefer_cublas(
+        64, 2, False, 1 << 22
+    )
+    assert not gd.prefer_cublas(512, 2, elements=1 << 24)  # None: the general threshold
+    assert gd.prefer_cublas(128, 4, elements=1 << 23)  # never above the general threshold
+    assert not gd.prefer_cublas(512, 2, elements=1 << 25)  # larger than every row
+    assert not gd.prefer_cublas(64, 2, weight_over_l2=True, elements=1 << 20)
+    assert not gd.prefer_cublas(64, 3, elements=1 << 20)  # k without a row entry

@@ -9,6 +9,9 @@ first row with M <= m_max applies. CUBLAS_FROM_M[k]: smallest M from which dequa
 + cuBLAS was measured faster than the kernel (None: the kernel always won).
 RULES_OVER_L2 / CUBLAS_FROM_M_OVER_L2: the same for weights larger than the L2, tuned
 on such weights only; where they have no row for M, RULES applies.
+CUBLAS_FROM_M_SMALL: rows (N x K elements, {k: M}) for weights that fit the L2: the
+first row whose size holds the weight lowers k's threshold to M (a small weight
+dequantizes in a few microseconds; the kernel's few tiles leave the GPU idle).
 """
 
 PROVISIONAL = False
@@ -51,7 +54,9 @@ COMMAND = (
     "tune_k128_k45.json tune_k128_k23.json; then python -m perf.bench_gemm --tune "
     "--candidates table --with m128n128k64s4w1x8rg m256n128k64s5w1x8lg --buckets 512 --k 3 4 "
     "--jobs 16 --json /root/out/tune512.json; python -m perf.bench_gemm --write-table-from "
-    "tune512.json"
+    "tune512.json; then python -m perf.bench_gemm --k 2 3 4 5 --m 64 128 256 512 --no-qwen "
+    "--shapes 2048x512 512x2048 4096x2048 2048x4096 2048x8192 4096x4096 5120x2048 --json "
+    "/root/out/small.json; python -m perf.bench_gemm --write-small-from small.json"
 )
 
 RULES = {
@@ -132,3 +137,9 @@ RULES_OVER_L2 = {
     ],
 }
 CUBLAS_FROM_M_OVER_L2 = {2: 1024, 3: 1024, 4: 1024, 5: 1024}
+CUBLAS_FROM_M_SMALL = [
+    (1048576, {2: 64, 3: 64, 4: 64, 5: 64}),
+    (8388608, {2: 64, 3: 128, 4: 256, 5: 256}),
+    (10485760, {2: 256, 3: 128, 4: 256, 5: 256}),
+    (16777216, {2: None, 3: None, 4: 512, 5: 512}),
+]
