@@ -44,3 +44,17 @@ def test_dequantize_alternating_shapes_and_k(gen):
         for qw in weights:
             got = kbit_cute.dequantize(qw.to("cuda"), torch.float16)
             assert torch.equal(got.cpu(), kbit_cute.dequantize(qw, torch.float16))
+
+
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_dequantize_kernel_every_absmax_code(k, out_dtype, gen):
+    """Every E4M4 code (subnormal ones included) at every position of the kernel's absmax
+    word (4 adjacent columns x 2 K blocks): bit-identical to the CPU reference."""
+    N, K = 256, 256  # 256 columns x 8 blocks: 2048 blocks, each code 8 times
+    qw = kbit_cute.quantize(torch.randn(N, K, generator=gen), k)
+    codes = torch.randperm(qw.absmax.numel(), generator=gen) % 256
+    qw.absmax.copy_(codes.to(torch.uint8).view_as(qw.absmax))
+    out = torch.full((N, K), float("nan"), dtype=out_dtype, device="cuda")
+    got = kbit_cute.dequantize(qw.to("cuda"), out_dtype, out=out)
+    assert torch.equal(got.cpu(), kbit_cute.dequantize(qw, out_dtype))

@@ -7,6 +7,8 @@ functions; none keeps its own copy. The host reference of the same math is
 
 from __future__ import annotations
 
+import struct
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
@@ -45,18 +47,32 @@ def f32_to_bits(x: Float32) -> Int32:
     return Int32(llvm.bitcast(Int32.mlir_type, Float32(x).ir_value()))
 
 
-@cute.jit
-def decode_e4m4(code: Int32) -> Float32:
-    """E4M4 byte (bias 11) -> fp32, branch-free and exact.
+_E4M4_FP32_SHIFT = 19  # an E4M4 code at these bits of an fp32 reads as its value x 2^-116
 
-    Placing e|m in fp32's exponent/mantissa with the exponent rebased gives
-    f = 2^(e-11) (1 + m/16) for every code. For e == 0 the format is subnormal,
-    2^-10 m/16, which equals 2f - 2^-10 there; both steps are exact.
-    """
-    code = code & 0xFF  # a uint8 load may arrive sign-extended
-    f = bits_to_f32((code << 19) + (_E4M4_FP32_EXP_SHIFT << 23))
-    subnormal = Float32(code < 16)
-    return f + subnormal * (f - Float32(2.0**-10))
+
+@cute.jit
+def decode_e4m4_byte(word: Uint32, i: cutlass.Constexpr[int]) -> Float32:
+    """E4M4 byte i of ``word`` -> fp32 (bias 11; ``format.decode_e4m4`` on the host), exact
+    and branch-free in three instructions: a shift, a mask, a multiply.
+
+    The code placed in fp32's low exponent and high mantissa bits reads as value x 2^-116,
+    subnormal codes too: e == 0 makes an fp32 subnormal, m/16 x 2^-126. The product with
+    2^116 is exact; it is ``mul.rn.f32`` written out, which never flushes subnormals."""
+    shift = _E4M4_FP32_SHIFT - 8 * i
+    placed = Uint32(word) << Uint32(shift) if shift >= 0 else Uint32(word) >> Uint32(-shift)
+    bits = placed & Uint32(0xFF << _E4M4_FP32_SHIFT)
+    return Float32(
+        llvm.inline_asm(
+            T.f32(), [Float32(bits_to_f32(Int32(bits))).ir_value()],
+            f"mul.rn.f32 $0, $1, {_f32_hex(2.0**_E4M4_FP32_EXP_SHIFT)};", "=f,f",
+            has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )  # fmt: skip
+
+
+def _f32_hex(x: float) -> str:
+    """An fp32 immediate as PTX writes it exactly: 0fXXXXXXXX."""
+    return "0f" + struct.pack(">f", x).hex().upper()
 
 
 @cute.jit
@@ -70,15 +86,6 @@ def load_codebook_lane(mCodebook: cute.Tensor, k: cutlass.Constexpr[int]) -> Flo
 def codebook_lookup(cb_lane: Float32, index: Int32) -> Float32:
     """Codebook value of ``index`` via a warp shuffle; every lane of the warp must call it."""
     return cute.arch.shuffle_sync(cb_lane, index)
-
-
-@cute.jit
-def plane_index(planes, j, k: cutlass.Constexpr[int]) -> Int32:
-    """Index of element j of a block from its k bit-plane words (bit j of word i is bit i)."""
-    idx = (Uint32(planes[0]) >> j) & Uint32(1)
-    for i in cutlass.range_constexpr(1, k):
-        idx = idx | (((Uint32(planes[i]) >> j) & Uint32(1)) << i)
-    return Int32(idx)
 
 
 # ----------------------------------------------------------------------------- SWAR indices
@@ -470,6 +477,26 @@ def cp_async_chunk(dst: cute.Pointer, src_addr: Int64, through_l1: bool = False,
     llvm.inline_asm(
         None, [Uint32(dst.toint()).ir_value(), Int64(src_addr).ir_value(), size.ir_value()],
         f"cp.async.{mode}.shared.global.L2::128B [$0], [$1], 16, $2;", "r,l,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    )  # fmt: skip
+
+
+def store_global_if(ptr: cute.Pointer, words: list, pred: Int32) -> None:
+    """4 or 8 32-bit words to global memory at ``ptr`` (16-byte aligned) where ``pred`` is
+    nonzero: one or two predicated STG.128. An ``if`` around a store compiles to a branch
+    and, when warp-wide instructions (shuffles) follow, a reconvergence pair (BSSY / BSYNC):
+    three instructions more per store."""
+    n = len(words)
+    assert n in (4, 8), f"4 or 8 words, not {n}"
+    ops = [Int32(pred).ir_value(), ptr.toint().ir_value()] + [Uint32(w).ir_value() for w in words]
+    stores = " ".join(
+        f"@p st.global.v4.b32 [$1+{16 * v}], {{${2 + 4 * v}, ${3 + 4 * v}, ${4 + 4 * v}, "
+        f"${5 + 4 * v}}};"
+        for v in range(n // 4)
+    )
+    llvm.inline_asm(
+        None, ops, f"{{ .reg .pred p; setp.ne.b32 p, $0, 0; {stores} }}",
+        "r,l," + ",".join("r" for _ in words) + ",~{memory}",
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
     )  # fmt: skip
 
