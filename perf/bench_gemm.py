@@ -313,7 +313,8 @@ def small_weight_rows(records: list[dict]) -> list[tuple[int, dict]]:
     shape, k and M): per weight size (N x K elements; shapes of one size together) and k,
     the smallest measured M from which dequantize + cuBLAS wins at every larger measured M
     (geometric mean over the shapes of kernel / dequantize + cuBLAS; None: the kernel won
-    at the largest M). Rows by size, up to the largest size with a threshold."""
+    at the largest M). Rows by size (sizes with the same thresholds as the next larger one
+    left to its row), up to the largest size with a threshold."""
     ratios: dict[int, dict[int, dict[int, list]]] = {}
     for r in records:
         by_k = ratios.setdefault(r["K"] * r["N"], {}).setdefault(r["k"], {})
@@ -327,6 +328,8 @@ def small_weight_rows(records: list[dict]) -> list[tuple[int, dict]]:
                 if _geomean(by_m[M]) <= 1.0:
                     break
                 from_m[k] = M
+        if rows and rows[-1][1] == from_m:
+            rows.pop()  # the larger size's row covers the smaller one
         rows.append((size, from_m))
     while rows and all(m is None for m in rows[-1][1].values()):
         rows.pop()

@@ -542,6 +542,8 @@ def test_small_weights_take_cublas_from_their_own_rows(tmp_path, monkeypatch):
             for k, ratio in zip((2, 4), ratios, strict=True):
                 recs.append(dict(K=K, N=N, k=k, M=M, kernel_us=10.0 * ratio,
                                  dequant_cublas_us=10.0))  # fmt: skip
+    same = [dict(r, N=r["N"] // 2) for r in recs if (r["K"], r["N"]) == (2048, 512)]
+    assert bg.small_weight_rows(same + recs)[0] == (1 << 20, {2: 64, 4: 64})  # one row for both
     rows = bg.small_weight_rows(recs)
     assert rows == [(1 << 20, {2: 64, 4: 64}), (1 << 23, {2: 128, 4: 256}),
                     (1 << 24, {2: None, 4: 256})]  # fmt: skip

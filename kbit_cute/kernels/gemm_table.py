@@ -56,7 +56,10 @@ COMMAND = (
     "--jobs 16 --json /root/out/tune512.json; python -m perf.bench_gemm --write-table-from "
     "tune512.json; then python -m perf.bench_gemm --k 2 3 4 5 --m 64 128 256 512 --no-qwen "
     "--shapes 2048x512 512x2048 4096x2048 2048x4096 2048x8192 4096x4096 5120x2048 --json "
-    "/root/out/small.json; python -m perf.bench_gemm --write-small-from small.json"
+    "/root/out/small.json; python -m perf.bench_gemm --write-small-from small.json; then "
+    "python -m perf.bench_gemm --k 2 3 4 5 --m 64 128 256 512 --no-qwen --shapes 2048x512 "
+    "512x2048 2048x2048 4096x2048 2048x4096 2048x5120 2048x8192 4096x4096 --json "
+    "/root/out/small2.json; python -m perf.bench_gemm --write-small-from small2.json"
 )
 
 RULES = {
@@ -138,8 +141,6 @@ RULES_OVER_L2 = {
 }
 CUBLAS_FROM_M_OVER_L2 = {2: 1024, 3: 1024, 4: 1024, 5: 1024}
 CUBLAS_FROM_M_SMALL = [
-    (1048576, {2: 64, 3: 64, 4: 64, 5: 64}),
-    (8388608, {2: 64, 3: 128, 4: 256, 5: 256}),
-    (10485760, {2: 256, 3: 128, 4: 256, 5: 256}),
-    (16777216, {2: None, 3: None, 4: 512, 5: 512}),
+    (10485760, {2: 64, 3: 64, 4: 64, 5: 64}),
+    (16777216, {2: 256, 3: 256, 4: 256, 5: 256}),
 ]
