@@ -171,14 +171,14 @@ def _dequantize_impl(packed, absmax, codebook, scale, k, N, K, dtype, out=None):
         w = _dequantize_reference(_as_weight(packed, absmax, codebook, scale, k, N, K), dtype)
         return w if out is None else out.copy_(w)
     _device.check_device(packed.device.index)
-    if out is None:
-        out = torch.empty(N, K, dtype=dtype, device=packed.device)
-    elif out.data_ptr() % 16:
-        raise ValueError("out must be 16-byte aligned (a fresh tensor is)")
     from .kernels.dequantize import MAX_ROWS, dequantize_spec
 
     if N > MAX_ROWS:
         raise ValueError(f"the dequantize kernel takes at most {MAX_ROWS} rows (N), got {N}")
+    if out is None:
+        out = torch.empty(N, K, dtype=dtype, device=packed.device)
+    elif out.data_ptr() % 16:
+        raise ValueError("out must be 16-byte aligned (a fresh tensor is)")
     launcher(dequantize_spec(k, _OUT_NAMES[dtype]))(packed, absmax, codebook, scale, out, N, K)
     return out
 

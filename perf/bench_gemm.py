@@ -567,29 +567,17 @@ def main(argv=None) -> None:
         print(msg, file=sys.stderr, flush=True)
 
     if args.write_table_from:
-        recs, gpus, tunes = [], set(), []
-        for path in args.write_table_from:
-            data = json.loads(path.read_text())
-            recs += data["records"]
-            gpus.add(data["gpu"])
-            tunes.append(data["command"])
-        command = "; ".join([*tunes, command])
+        recs, gpu, command = _measured(args.write_table_from, command)
         update = table_from(recs, args.keep_tilings)
-        write_table(update, " / ".join(sorted(gpus)), command)
+        write_table(update, gpu, command)
         print(f"wrote {TABLE_PATH}: k = {sorted(update.rules)}, "
               f"over the L2 k = {sorted(update.rules_over_l2)}")  # fmt: skip
         return
 
     if args.write_small_from:
-        recs, gpus, reports = [], set(), []
-        for path in args.write_small_from:
-            data = json.loads(path.read_text())
-            recs += data["records"]
-            gpus.add(data["gpu"])
-            reports.append(data["command"])
+        recs, gpu, command = _measured(args.write_small_from, command)
         rows = small_weight_rows(recs)
-        write_table(TableUpdate({}, {}, {}, {}, rows), " / ".join(sorted(gpus)),
-                    "; ".join([*reports, command]))  # fmt: skip
+        write_table(TableUpdate({}, {}, {}, {}, rows), gpu, command)
         print(f"wrote {TABLE_PATH}: CUBLAS_FROM_M_SMALL = {rows}")
         return
 
@@ -638,6 +626,18 @@ def main(argv=None) -> None:
     print(f"{gpu}: read bandwidth {bw:.0f} GB/s, cuBLAS fp16 {tf:.0f} TFLOP/s, fp16 activations; "
           f"table {'PROVISIONAL' if _provisional() else 'measured'}; {time.time() - t0:.0f} s")  # fmt: skip
     print(tabulate(rows, headers=headers, tablefmt="github"))
+
+
+def _measured(paths: list[Path], command: str) -> tuple[list, str, str]:
+    """(records, GPU names, the commands that measured them and then ``command``) of JSONs
+    written by this script."""
+    recs, gpus, commands = [], set(), []
+    for path in paths:
+        data = json.loads(path.read_text())
+        recs += data["records"]
+        gpus.add(data["gpu"])
+        commands.append(data["command"])
+    return recs, " / ".join(sorted(gpus)), "; ".join([*commands, command])
 
 
 def _provisional() -> bool:
