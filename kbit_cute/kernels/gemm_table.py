@@ -59,7 +59,10 @@ COMMAND = (
     "/root/out/small.json; python -m perf.bench_gemm --write-small-from small.json; then "
     "python -m perf.bench_gemm --k 2 3 4 5 --m 64 128 256 512 --no-qwen --shapes 2048x512 "
     "512x2048 2048x2048 4096x2048 2048x4096 2048x5120 2048x8192 4096x4096 --json "
-    "/root/out/small2.json; python -m perf.bench_gemm --write-small-from small2.json"
+    "/root/out/small2.json; python -m perf.bench_gemm --write-small-from small2.json; then "
+    "python -m perf.bench_gemm --tune --candidates table --buckets 256 512 --k 2 3 4 5 --jobs "
+    "16 --json /root/out/tune_dq2.json; python -m perf.bench_gemm --write-table-from "
+    "/tmp/tune_dq2.json"
 )
 
 RULES = {
@@ -100,7 +103,7 @@ RULES = {
         (2147483648, "m64n256k64s3w1x8l", 1, 16),
     ],
 }
-CUBLAS_FROM_M = {2: 1024, 3: 1024, 4: 512, 5: 512}
+CUBLAS_FROM_M = {2: 512, 3: 512, 4: 512, 5: 512}
 RULES_OVER_L2 = {
     2: [
         (16, "m16n128k128s4w1x4", 4, 16),
@@ -117,7 +120,7 @@ RULES_OVER_L2 = {
         (64, "m64n128k64s4w1x4rg", 3, 16),
         (128, "m128n256k64s4w1x8rg", 1, 16),
         (256, "m256n128k64s4w1x8g", 1, 16),
-        (512, "m128n128k64s4w1x8rg", 1, 16),
+        (512, "m128n128k64s4w1x8rg", 4, 16),
         (2147483648, "m256n128k64s5w1x8lg", 1, 16),
     ],
     4: [
@@ -139,7 +142,7 @@ RULES_OVER_L2 = {
         (2147483648, "m256n128k64s4w1x8g", 1, 16),
     ],
 }
-CUBLAS_FROM_M_OVER_L2 = {2: 1024, 3: 1024, 4: 1024, 5: 1024}
+CUBLAS_FROM_M_OVER_L2 = {2: 1024, 3: 1024, 4: 512, 5: 512}
 CUBLAS_FROM_M_SMALL = [
     (10485760, {2: 64, 3: 64, 4: 64, 5: 64}),
     (16777216, {2: 256, 3: 256, 4: 256, 5: 256}),
