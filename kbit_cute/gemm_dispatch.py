@@ -49,8 +49,21 @@ _MAX_ELEMS = 1 << 31  # the kernel indexes A, out and the workspace with int32
 # ----------------------------------------------------------------------------- choice
 
 
-def table_rule(k: int, M: int, weight_over_l2: bool = False) -> tuple[str, int, int]:
+def small_weight(N: int, K: int, weight_over_l2: bool = False) -> bool:
+    """Whether a weight [N, K] belongs to the table's small-weight class (``RULES_SMALL``):
+    at most ``SMALL_WEIGHT_ELEMENTS`` and inside the L2."""
+    return not weight_over_l2 and N * K <= gemm_table.SMALL_WEIGHT_ELEMENTS
+
+
+def table_rule(
+    k: int, M: int, weight_over_l2: bool = False, small: bool = False
+) -> tuple[str, int, int]:
     """(config name, target CTAs per SM, max splits) of the table row for bits k and M rows.
+
+    ``small`` (``small_weight``): the weight is of the small class, whose rows were tuned
+    on such weights (``RULES_SMALL``: 2048x512 .. 2048x8192; at M = 64 an m32 tile beat
+    the general row's m64 one by 1.3-1.5x, geomean over six shapes); where they have no
+    row for M, the general rows apply.
 
     ``weight_over_l2``: the weight is larger than the L2, so every M tile streams it from
     DRAM again. Such weights have rows of their own (``RULES_OVER_L2``, tuned on weights
@@ -62,6 +75,10 @@ def table_rule(k: int, M: int, weight_over_l2: bool = False) -> tuple[str, int, 
     rows = gemm_table.RULES.get(k)
     if not rows:
         raise ValueError(f"the GEMM table has no rows for k={k}")
+    if small and not weight_over_l2:
+        own = next((r for r in gemm_table.RULES_SMALL.get(k, ()) if M <= r[0]), None)
+        if own is not None:
+            return own[1], own[2], own[3]
     if weight_over_l2:
         own = next((r for r in gemm_table.RULES_OVER_L2.get(k, ()) if M <= r[0]), None)
         if own is not None:
@@ -126,7 +143,8 @@ def plan(
     per lane does not fit). ``config``: that tiling instead of the table's, with the
     table's worker density. ``arch``: the device's target (wgmma rows take their mma.sync
     twin before sm_90a: ``gemm.for_arch``)."""
-    name, ctas_per_sm, max_splits = table_rule(k, M, weight_over_l2(N, K, k, l2_bytes))
+    over_l2 = weight_over_l2(N, K, k, l2_bytes)
+    name, ctas_per_sm, max_splits = table_rule(k, M, over_l2, small_weight(N, K, over_l2))
     cfg = config
     if cfg is None:
         cfg = for_arch(GemmConfig.parse(name), arch)

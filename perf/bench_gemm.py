@@ -13,8 +13,9 @@ cuBLAS matmul peak measured in the same run):
   ``--write-table`` turns the measurements into ``kbit_cute/kernels/gemm_table.py``
   (the fastest candidate per (k, M bucket) by geometric mean over the shapes; where
   dequantize + cuBLAS is faster, CUBLAS_FROM_M). Shapes whose weight is larger than the
-  L2 make their own rows (RULES_OVER_L2, CUBLAS_FROM_M_OVER_L2); the default tune shapes
-  (TUNE_SHAPES) hold two such weights and four that fit. Tune one k per command to stay
+  L2 make their own rows (RULES_OVER_L2, CUBLAS_FROM_M_OVER_L2), and so do small weights
+  (RULES_SMALL, ``gemm_dispatch.small_weight``: tune them with ``--shapes``); the default
+  tune shapes (TUNE_SHAPES) hold two weights over the L2 and four that fit, none small. Tune one k per command to stay
   within 10 minutes, then merge:
   ``--write-table-from tune_k2.json tune_k3.json ...``.
 * ``--write-small-from report.json ...``: from reports on weights smaller than the tune's
@@ -209,10 +210,11 @@ def tune(
                 if buckets is not None and m_max not in buckets:
                     continue
                 over_l2 = gd.weight_over_l2(N, K, k, props.l2_bytes)
+                small = gd.small_weight(N, K, over_l2)
                 for M in Ms:
                     power_cap.before(M)
                     t_dq = b.dequant_cublas(M, k)
-                    base = dict(K=K, N=N, k=k, M=M, m_max=m_max, over_l2=over_l2)
+                    base = dict(K=K, N=N, k=k, M=M, m_max=m_max, over_l2=over_l2, small=small)
                     records.append(dict(base, impl="dequant_cublas", us=t_dq))
                     timed: dict[tuple[str, int], float] = {}  # densities giving one grid
                     # (candidate, tiling timed): the table's row runs what the dispatcher
@@ -220,10 +222,11 @@ def tune(
                     cands = [(name, name) for name in names]
                     if table_only:
                         own = gemm_table.RULES_OVER_L2.get(k, ()) if over_l2 else ()
+                        own = gemm_table.RULES_SMALL.get(k, ()) if small else own
                         row = next((r[1] for r in own if r[0] >= m_max), None) or next(
                             r[1] for r in gemm_table.RULES[k] if r[0] >= m_max
                         )
-                        cands = [(row, gd.table_rule(k, M, over_l2)[0])]
+                        cands = [(row, gd.table_rule(k, M, over_l2, small)[0])]
                     cands += [(n, n) for n in extra if (n, n) not in cands]
                     for name, ran in cands:
                         cfg = GemmConfig.parse(ran)
@@ -285,6 +288,7 @@ class TableUpdate(NamedTuple):
     rules_over_l2: dict
     cublas_from_over_l2: dict
     cublas_from_small: list | None = None  # None: the table's rows stay
+    rules_small: dict | None = None  # rows of small weights (``gd.small_weight``)
 
 
 def table_from(records: list[dict], keep_tilings: bool = False) -> TableUpdate:
@@ -300,12 +304,16 @@ def table_from(records: list[dict], keep_tilings: bool = False) -> TableUpdate:
         records = [
             r for r in records if r["impl"] != "kernel" or r["config"] in tabled.get(r["k"], ())
         ]
-    general = [r for r in records if not r.get("over_l2", False)]
     over = [r for r in records if r.get("over_l2", False)]
+    # (the class by size, also for records of tunes from before it existed)
+    small = [r for r in records if gd.small_weight(r["N"], r["K"], r.get("over_l2", False))]
+    general = [r for r in records if not r.get("over_l2", False) and r not in small]
     rules, cublas_from = _class_table(general, gemm_table.CUBLAS_FROM_M)
     old_over = {**gemm_table.CUBLAS_FROM_M, **gemm_table.CUBLAS_FROM_M_OVER_L2}
     rules_over, cublas_over = _class_table(over, old_over)
-    return TableUpdate(rules, cublas_from, rules_over, cublas_over)
+    # Small weights' cuBLAS thresholds are CUBLAS_FROM_M_SMALL's (``--write-small-from``).
+    rules_small, _ = _class_table(small, {})
+    return TableUpdate(rules, cublas_from, rules_over, cublas_over, rules_small=rules_small)
 
 
 def small_weight_rows(records: list[dict]) -> list[tuple[int, dict]]:
@@ -418,10 +426,11 @@ def write_table(update: TableUpdate, gpu: str, command: str, path: Path = TABLE_
 
     all_rules, kept = _merged(gemm_table.RULES, update.rules)
     all_over, kept_over = _merged(gemm_table.RULES_OVER_L2, update.rules_over_l2)
+    all_small, kept_small = _merged(gemm_table.RULES_SMALL, update.rules_small or {})
     small = update.cublas_from_small
     if small is None:
         small = gemm_table.CUBLAS_FROM_M_SMALL
-    if kept or kept_over:  # the kept rows were measured by the commands before
+    if kept or kept_over or kept_small:  # the kept rows were measured by the commands before
         command = f"{gemm_table.COMMAND}; then {command}"
     all_cublas = {**gemm_table.CUBLAS_FROM_M, **update.cublas_from}
     all_cublas_over = {**gemm_table.CUBLAS_FROM_M_OVER_L2, **update.cublas_from_over_l2}
@@ -442,6 +451,8 @@ def write_table(update: TableUpdate, gpu: str, command: str, path: Path = TABLE_
         "CUBLAS_FROM_M_SMALL: rows (N x K elements, {k: M}) for weights that fit the L2: the",
         "first row whose size holds the weight lowers k's threshold to M (a small weight",
         "dequantizes in a few microseconds; the kernel's few tiles leave the GPU idle).",
+        "RULES_SMALL: rows like RULES for weights of at most SMALL_WEIGHT_ELEMENTS (N x K) that",
+        "fit the L2, tuned on such weights only; where they have no row for M, RULES applies.",
         '"""',
         "",
         f"PROVISIONAL = {bool(partial)}" + (f"  # k = {partial} not measured" if partial else ""),
@@ -457,6 +468,8 @@ def write_table(update: TableUpdate, gpu: str, command: str, path: Path = TABLE_
         "CUBLAS_FROM_M_SMALL = [",
         *[f"    ({size}, {dict(sorted(by_k.items()))!r})," for size, by_k in small],
         "]",
+        f"SMALL_WEIGHT_ELEMENTS = {gemm_table.SMALL_WEIGHT_ELEMENTS}",
+        *_rules_lines("RULES_SMALL", all_small),
         "",
     ]
     path.write_text("\n".join(lines))

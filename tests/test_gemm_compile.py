@@ -227,7 +227,9 @@ def test_table_rows_are_valid_and_cover_every_m():
         assert [r[0] for r in rows] == sorted(r[0] for r in rows) and rows[-1][0] >= 1 << 20
         over_l2 = gemm_table.RULES_OVER_L2.get(k, [])
         assert [r[0] for r in over_l2] == sorted(r[0] for r in over_l2)
-        for _m_max, name, ctas_per_sm, max_splits in rows + over_l2:
+        small = gemm_table.RULES_SMALL.get(k, [])
+        assert [r[0] for r in small] == sorted(r[0] for r in small)
+        for _m_max, name, ctas_per_sm, max_splits in rows + over_l2 + small:
             cfg = g.GemmConfig.parse(name)
             assert g.GemmKernel.can_implement(k, "f16", cfg), name
             # On an A100 (163 KB) the dispatcher takes the mma.sync twin of a wgmma row and
@@ -238,6 +240,9 @@ def test_table_rows_are_valid_and_cover_every_m():
         for M in (5, 16, 17, 100, 4096, 1 << 20):
             assert gd.table_rule(k, M)[0] in [r[1] for r in rows]
             assert gd.table_rule(k, M, True)[0] in [r[1] for r in rows + over_l2]
+            assert gd.table_rule(k, M, small=True)[0] in [r[1] for r in rows + small]
+            # a weight over the L2 is never of the small class
+            assert gd.table_rule(k, M, True, small=True) == gd.table_rule(k, M, True)
 
 
 def test_lane_table_falls_back_where_it_does_not_fit():
@@ -393,6 +398,8 @@ def test_tuning_some_buckets_keeps_the_other_rows(tmp_path):
     assert mod.CUBLAS_FROM_M == gemm_table.CUBLAS_FROM_M
     assert mod.RULES_OVER_L2 == gemm_table.RULES_OVER_L2
     assert mod.CUBLAS_FROM_M_OVER_L2 == gemm_table.CUBLAS_FROM_M_OVER_L2
+    assert mod.RULES_SMALL == gemm_table.RULES_SMALL
+    assert mod.SMALL_WEIGHT_ELEMENTS == gemm_table.SMALL_WEIGHT_ELEMENTS
     assert mod.COMMAND.startswith(gemm_table.COMMAND) and mod.COMMAND.endswith("--test")
 
 
@@ -446,6 +453,45 @@ def test_weights_over_l2_get_rows_of_their_own(tmp_path, monkeypatch):
     assert gd.use_cublas(1 << 20, 28672, 8192, 4, 0) is False
     assert gd.use_cublas(1 << 20, 14336, 4096, 4, 0) is gd.prefer_cublas(1 << 20, 4)
     assert big in {c.name for c in gd.table_configs(4)}
+
+
+def test_small_weights_get_rows_of_their_own(tmp_path, monkeypatch):
+    """Records of weights of at most SMALL_WEIGHT_ELEMENTS (by their size, also in tunes from
+    before the class existed) make RULES_SMALL, the others the general rows; the written
+    table's small rows are what ``plan`` takes for such weights where they cover M, and
+    they leave the cuBLAS thresholds alone (small weights have CUBLAS_FROM_M_SMALL)."""
+    import importlib.util
+
+    from perf import bench_gemm as bg
+
+    monkeypatch.setattr(gemm_table, "RULES_SMALL", {})
+    m32, m64 = "m32n128k64s4w1x4r", "m64n256k64s6w1x8rg"
+    recs = []
+    for (K, N), small in (((2048, 512), True), ((4096, 2048), True), ((4096, 14336), False)):
+        assert gd.small_weight(N, K) is small
+        base = dict(K=K, N=N, k=4, M=64, m_max=64, over_l2=False)
+        recs.append(dict(base, impl="dequant_cublas", us=5.0))  # would move CUBLAS_FROM_M
+        for name in (m32, m64):
+            fast = (name == m32) == small
+            recs.append(dict(base, impl="kernel", config=name, ctas_per_sm=1,
+                             us=10.0 * (1.0 if fast else 1.4)))  # fmt: skip
+    update = bg.table_from(recs)
+    assert update.rules_small[4] == [(64, m32, 1, 16)]
+    assert update.rules[4] == [(64, m64, 1, 16)]
+    path = tmp_path / "table.py"
+    bg.write_table(update._replace(cublas_from={}), "Test GPU", "python -m perf.bench_gemm", path)
+    spec = importlib.util.spec_from_file_location("t", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.RULES_SMALL == {4: [(64, m32, 1, 16)]}
+    assert mod.CUBLAS_FROM_M_SMALL == gemm_table.CUBLAS_FROM_M_SMALL
+    monkeypatch.setattr(gemm_table, "RULES_SMALL", mod.RULES_SMALL)
+    l2 = 50 << 20
+    assert gd.plan(64, 2048, 4096, 4, 132, l2)[0] == g.GemmConfig.parse(m32)
+    assert gd.plan(64, 14336, 4096, 4, 132, l2)[0] == g.GemmConfig.parse(gd.table_rule(4, 64)[0])
+    # past the small rows' last bucket the general rows apply
+    assert gd.plan(100, 2048, 4096, 4, 132, l2)[0] == g.GemmConfig.parse(gd.table_rule(4, 100)[0])
+    assert m32 in {c.name for c in gd.table_configs(4)}
 
 
 @pytest.mark.parametrize(

@@ -1008,7 +1008,10 @@ def table_specs(arch: str) -> list:
 
 def table_rows(k: int) -> list[tuple]:
     """Every row of the dispatch table for bits k: the general rows, then those for
-    weights over the L2 (``gemm_table``)."""
+    weights over the L2 and for small weights (``gemm_table``)."""
     from . import gemm_table
 
-    return [*gemm_table.RULES.get(k, ()), *gemm_table.RULES_OVER_L2.get(k, ())]
+    return [
+        *gemm_table.RULES.get(k, ()), *gemm_table.RULES_OVER_L2.get(k, ()),
+        *gemm_table.RULES_SMALL.get(k, ()),
+    ]  # fmt: skip

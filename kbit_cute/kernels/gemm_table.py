@@ -12,6 +12,8 @@ on such weights only; where they have no row for M, RULES applies.
 CUBLAS_FROM_M_SMALL: rows (N x K elements, {k: M}) for weights that fit the L2: the
 first row whose size holds the weight lowers k's threshold to M (a small weight
 dequantizes in a few microseconds; the kernel's few tiles leave the GPU idle).
+RULES_SMALL: rows like RULES for weights of at most SMALL_WEIGHT_ELEMENTS (N x K) that
+fit the L2, tuned on such weights only; where they have no row for M, RULES applies.
 """
 
 PROVISIONAL = False
@@ -62,7 +64,12 @@ COMMAND = (
     "/root/out/small2.json; python -m perf.bench_gemm --write-small-from small2.json; then "
     "python -m perf.bench_gemm --tune --candidates table --buckets 256 512 --k 2 3 4 5 --jobs "
     "16 --json /root/out/tune_dq2.json; python -m perf.bench_gemm --write-table-from "
-    "/tmp/tune_dq2.json"
+    "/tmp/tune_dq2.json; then python -m perf.bench_gemm --tune --shapes 2048x512 512x2048 "
+    "2048x2048 4096x2048 2048x4096 2048x8192 --buckets 16 32 64 --k 2 3 4 5 --jobs 16 --json "
+    "/root/out/tune_small.json; python -m perf.bench_gemm --write-table-from tune_small.json; "
+    "then python -m perf.bench_gemm --k 2 3 4 5 --m 16 32 64 128 256 512 --no-qwen --shapes "
+    "2048x512 512x2048 2048x2048 4096x2048 2048x4096 2048x5120 2048x8192 4096x4096 --json "
+    "/root/out/small3.json; python -m perf.bench_gemm --write-small-from small3.json"
 )
 
 RULES = {
@@ -144,6 +151,32 @@ RULES_OVER_L2 = {
 }
 CUBLAS_FROM_M_OVER_L2 = {2: 1024, 3: 1024, 4: 512, 5: 512}
 CUBLAS_FROM_M_SMALL = [
-    (10485760, {2: 64, 3: 64, 4: 64, 5: 64}),
+    (1048576, {2: 64, 3: 64, 4: 32, 5: 32}),
+    (4194304, {2: 64, 3: 64, 4: 64, 5: 32}),
+    (8388608, {2: 128, 3: 128, 4: 128, 5: 64}),
+    (10485760, {2: 128, 3: 128, 4: 64, 5: 64}),
     (16777216, {2: 256, 3: 256, 4: 256, 5: 256}),
 ]
+SMALL_WEIGHT_ELEMENTS = 16777216
+RULES_SMALL = {
+    2: [
+        (16, "m16n128k128s3w1x4r", 4, 16),
+        (32, "m32n128k128s3w1x4r", 2, 16),
+        (64, "m32n128k64s4w1x4r", 2, 16),
+    ],
+    3: [
+        (16, "m16n128k128s3w1x4l", 4, 16),
+        (32, "m32n128k128s3w1x4r", 2, 16),
+        (64, "m32n128k64s4w1x4r", 2, 16),
+    ],
+    4: [
+        (16, "m16n128k128s3w1x4r", 2, 16),
+        (32, "m32n128k128s3w1x4l", 2, 16),
+        (64, "m32n128k64s4w1x4r", 1, 16),
+    ],
+    5: [
+        (16, "m16n128k64s4w1x4", 2, 16),
+        (32, "m32n128k64s4w1x4", 2, 16),
+        (64, "m64n128k64s3w1x4l", 1, 16),
+    ],
+}
