@@ -15,8 +15,8 @@ cuBLAS matmul peak measured in the same run):
   dequantize + cuBLAS is faster, CUBLAS_FROM_M). Shapes whose weight is larger than the
   L2 make their own rows (RULES_OVER_L2, CUBLAS_FROM_M_OVER_L2), and so do small weights
   (RULES_SMALL, ``gemm_dispatch.small_weight``: tune them with ``--shapes``); the default
-  tune shapes (TUNE_SHAPES) hold two weights over the L2 and four that fit, none small. Tune one k per command to stay
-  within 10 minutes, then merge:
+  tune shapes (TUNE_SHAPES) hold two weights over the L2 and four that fit, none small.
+  Tune one k per command to stay within 10 minutes, then merge:
   ``--write-table-from tune_k2.json tune_k3.json ...``.
 * ``--write-small-from report.json ...``: from reports on weights smaller than the tune's
   (``--shapes``, M of 64 and more), the sizes up to which dequantize + cuBLAS wins from a
@@ -210,11 +210,11 @@ def tune(
                 if buckets is not None and m_max not in buckets:
                     continue
                 over_l2 = gd.weight_over_l2(N, K, k, props.l2_bytes)
-                small = gd.small_weight(N, K, over_l2)
+                small = gd.small_weight(N, K, over_l2)  # (``table_from`` classes by size)
                 for M in Ms:
                     power_cap.before(M)
                     t_dq = b.dequant_cublas(M, k)
-                    base = dict(K=K, N=N, k=k, M=M, m_max=m_max, over_l2=over_l2, small=small)
+                    base = dict(K=K, N=N, k=k, M=M, m_max=m_max, over_l2=over_l2)
                     records.append(dict(base, impl="dequant_cublas", us=t_dq))
                     timed: dict[tuple[str, int], float] = {}  # densities giving one grid
                     # (candidate, tiling timed): the table's row runs what the dispatcher
@@ -304,10 +304,14 @@ def table_from(records: list[dict], keep_tilings: bool = False) -> TableUpdate:
         records = [
             r for r in records if r["impl"] != "kernel" or r["config"] in tabled.get(r["k"], ())
         ]
-    over = [r for r in records if r.get("over_l2", False)]
-    # (the class by size, also for records of tunes from before it existed)
-    small = [r for r in records if gd.small_weight(r["N"], r["K"], r.get("over_l2", False))]
-    general = [r for r in records if not r.get("over_l2", False) and r not in small]
+    general, over, small = [], [], []
+    for r in records:  # small weights by size (also in tunes from before their class)
+        if r.get("over_l2", False):
+            over.append(r)
+        elif gd.small_weight(r["N"], r["K"]):
+            small.append(r)
+        else:
+            general.append(r)
     rules, cublas_from = _class_table(general, gemm_table.CUBLAS_FROM_M)
     old_over = {**gemm_table.CUBLAS_FROM_M, **gemm_table.CUBLAS_FROM_M_OVER_L2}
     rules_over, cublas_over = _class_table(over, old_over)
