@@ -49,7 +49,7 @@ _MAX_ELEMS = 1 << 31  # the kernel indexes A, out and the workspace with int32
 # ----------------------------------------------------------------------------- choice
 
 
-def small_weight(N: int, K: int, weight_over_l2: bool = False) -> bool:
+def small_weight(N: int, K: int, weight_over_l2: bool) -> bool:
     """Whether a weight [N, K] belongs to the table's small-weight class (``RULES_SMALL``):
     at most ``SMALL_WEIGHT_ELEMENTS`` and inside the L2."""
     return not weight_over_l2 and N * K <= gemm_table.SMALL_WEIGHT_ELEMENTS
@@ -63,7 +63,7 @@ def table_rule(
     ``small`` (``small_weight``): the weight is of the small class, whose rows were tuned
     on such weights (``RULES_SMALL``: 2048x512 .. 2048x8192; at M = 64 an m32 tile beat
     the general row's m64 one by 1.3-1.5x, geomean over six shapes); where they have no
-    row for M, the general rows apply.
+    row for M's bucket (the general row's m_max), the general rows apply.
 
     ``weight_over_l2``: the weight is larger than the L2, so every M tile streams it from
     DRAM again. Such weights have rows of their own (``RULES_OVER_L2``, tuned on weights
@@ -76,7 +76,8 @@ def table_rule(
     if not rows:
         raise ValueError(f"the GEMM table has no rows for k={k}")
     if small and not weight_over_l2:
-        own = next((r for r in gemm_table.RULES_SMALL.get(k, ()) if M <= r[0]), None)
+        bucket = next((row[0] for row in rows if M <= row[0]), rows[-1][0])
+        own = next((r for r in gemm_table.RULES_SMALL.get(k, ()) if r[0] == bucket), None)
         if own is not None:
             return own[1], own[2], own[3]
     if weight_over_l2:
@@ -196,8 +197,8 @@ def _over_l2_on(N: int, K: int, k: int, dev: int) -> bool:
 
 
 def table_configs(k: int) -> list[GemmConfig]:
-    """The configs the table uses for bits k, general and over-L2 rows (what CI compiles
-    and the tests cover)."""
+    """The configs the table uses for bits k, its general, over-L2 and small-weight rows
+    (what CI compiles and the tests cover)."""
     return [GemmConfig.parse(n) for n in dict.fromkeys(row[1] for row in table_rows(k))]
 
 

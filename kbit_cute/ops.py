@@ -472,7 +472,8 @@ def gemm(
 
     M = product of A's leading dims. On CUDA (fp16/bf16) M <= 8 runs the GEMV
     kernel; larger M the mma.sync GEMM (or dequantize + cuBLAS from the measured
-    crossover). On the CPU: dequantize + matmul.
+    crossover). On the CPU: dequantize + matmul. ``out``: a contiguous [..., N] tensor
+    of A's dtype that shares no memory with A or bias.
     """
     if not isinstance(qw, KbitWeight):
         raise TypeError(f"gemm takes A (torch.Tensor) and qw (KbitWeight), got {type(qw).__name__}")
@@ -522,7 +523,7 @@ def _gemm_impl(A, packed, absmax, codebook, scale, k, N, K, bias=None, out=None)
     if out is None:
         out = A.new_empty(*shape[:-1], N)  # ints: ~1 us cheaper than a shape tuple
     else:
-        _check_out(A, N, out, dev)
+        _check_out(A, N, out, dev, bias)
     M = shape[0] if len(shape) == 2 else A.numel() // K
     if M == 0:
         return out
@@ -582,11 +583,11 @@ def _check_gemm_args(A, packed, absmax, codebook, scale, k, N, K, bias, out):
             f"bias must be a {A.dtype} tensor of shape ({N},) on {A.device}, got {got}"
         )
     if out is not None:
-        _check_out(A, N, out, dev)
+        _check_out(A, N, out, dev, bias)
     return dev
 
 
-def _check_out(A, N, out, dev):
+def _check_out(A, N, out, dev, bias=None):
     if not isinstance(out, torch.Tensor) or (
         out.shape[:-1] != A.shape[:-1]
         or out.shape[-1:] != (N,)
@@ -603,6 +604,26 @@ def _check_out(A, N, out, dev):
             f"out must be a contiguous {A.dtype} tensor of shape {(*A.shape[:-1], N)} on "
             f"{A.device}, got {got}"
         )
+    # Every path reads A (and bias) while it writes out: they must not overlap (views of
+    # one buffer that do not are fine; the storage test keeps the common case cheap).
+    storage = out.untyped_storage().data_ptr()
+    for name, t in (("A", A), ("bias", bias)):
+        if t is not None and t.untyped_storage().data_ptr() == storage and _overlaps(t, out):
+            raise ValueError(f"out shares memory with {name}; pass a separate output tensor")
+
+
+def _overlaps(t: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the bytes t spans (first to last element) meet those of contiguous ``out``."""
+    lo, hi = out.data_ptr(), out.data_ptr() + out.nbytes
+    start = t.data_ptr()
+    if t.is_contiguous():
+        end = start + t.nbytes
+    elif t.numel() == 0:
+        return False
+    else:
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+        end = start + (last + 1) * t.element_size()
+    return start < hi and lo < end
 
 
 def _gemm_general(A, packed, absmax, codebook, scale, k, N, K, bias=None, out=None):

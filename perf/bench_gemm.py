@@ -14,7 +14,8 @@ cuBLAS matmul peak measured in the same run):
   (the fastest candidate per (k, M bucket) by geometric mean over the shapes; where
   dequantize + cuBLAS is faster, CUBLAS_FROM_M). Shapes whose weight is larger than the
   L2 make their own rows (RULES_OVER_L2, CUBLAS_FROM_M_OVER_L2), and so do small weights
-  (RULES_SMALL, ``gemm_dispatch.small_weight``: tune them with ``--shapes``); the default
+  (RULES_SMALL, ``gemm_dispatch.small_weight``: tune them with ``--shapes`` and ``--buckets
+  16 32 64``; a row of theirs applies to its own bucket only); the default
   tune shapes (TUNE_SHAPES) hold two weights over the L2 and four that fit, none small.
   Tune one k per command to stay within 10 minutes, then merge:
   ``--write-table-from tune_k2.json tune_k3.json ...``.
@@ -53,8 +54,8 @@ from kbit_cute.kernels.gemm import GemmConfig, GemmKernel, gemm_spec, table_rows
 from .common import PowerCapPause, copies_for, graph_time_us, read_bandwidth_gbs, tensor_tflops
 
 SHAPES = [(4096, 14336), (14336, 4096), (8192, 28672), (2048, 10240), (10240, 2048)]
-# --tune's default: the issue's shapes plus a second weight larger than the L2, so that both
-# classes of the table (general rows, RULES_OVER_L2) are tuned on more than one shape.
+# --tune's default: the issue's shapes plus a second weight larger than the L2, so that the
+# general rows and RULES_OVER_L2 are tuned on more than one shape (RULES_SMALL: ``--shapes``).
 TUNE_SHAPES = [*SHAPES, (28672, 8192)]
 MS = [5, 8, 16, 32, 64, 128, 256, 1024, 4096]
 QWEN_MS = [16, 32]
@@ -222,7 +223,8 @@ def tune(
                     cands = [(name, name) for name in names]
                     if table_only:
                         own = gemm_table.RULES_OVER_L2.get(k, ()) if over_l2 else ()
-                        own = gemm_table.RULES_SMALL.get(k, ()) if small else own
+                        if small:  # (small rows by bucket: ``gd.table_rule``)
+                            own = [r for r in gemm_table.RULES_SMALL.get(k, ()) if r[0] == m_max]
                         row = next((r[1] for r in own if r[0] >= m_max), None) or next(
                             r[1] for r in gemm_table.RULES[k] if r[0] >= m_max
                         )
@@ -280,8 +282,9 @@ def _geomean(xs) -> float:
 
 class TableUpdate(NamedTuple):
     """What a tune measured, per k: rows and cuBLAS thresholds of the general table (weights
-    that fit the L2) and of the weights over the L2. A class or bucket without records is
-    left out (``write_table`` keeps what the table had)."""
+    that fit the L2), of the weights over the L2, and rows of small weights (their cuBLAS
+    thresholds are ``cublas_from_small``, from reports). A class or bucket without records
+    is left out (``write_table`` keeps what the table had)."""
 
     rules: dict
     cublas_from: dict
@@ -294,9 +297,10 @@ class TableUpdate(NamedTuple):
 def table_from(records: list[dict], keep_tilings: bool = False) -> TableUpdate:
     """The table's rows and cuBLAS thresholds from tune records (any subset of k, buckets
     and shapes). Records of weights over the L2 (``over_l2``, set by ``tune``) make that
-    class's rows; the others the general rows. ``keep_tilings``: choose only among the
-    tilings the table already has for that k (a re-tune of densities and rows that adds
-    no variant to compile and validate)."""
+    class's rows, those of small weights (``gd.small_weight``, by size) RULES_SMALL (without
+    the buckets where they chose the general row itself), the others the general rows.
+    ``keep_tilings``: choose only among the tilings the table already has for that k (a
+    re-tune of densities and rows that adds no variant to compile and validate)."""
     from kbit_cute.kernels import gemm_table
 
     if keep_tilings:
@@ -308,7 +312,7 @@ def table_from(records: list[dict], keep_tilings: bool = False) -> TableUpdate:
     for r in records:  # small weights by size (also in tunes from before their class)
         if r.get("over_l2", False):
             over.append(r)
-        elif gd.small_weight(r["N"], r["K"]):
+        elif gd.small_weight(r["N"], r["K"], False):
             small.append(r)
         else:
             general.append(r)
@@ -316,7 +320,14 @@ def table_from(records: list[dict], keep_tilings: bool = False) -> TableUpdate:
     old_over = {**gemm_table.CUBLAS_FROM_M, **gemm_table.CUBLAS_FROM_M_OVER_L2}
     rules_over, cublas_over = _class_table(over, old_over)
     # Small weights' cuBLAS thresholds are CUBLAS_FROM_M_SMALL's (``--write-small-from``).
+    # A bucket whose winner is the general row itself gets no row: it follows that row.
     rules_small, _ = _class_table(small, {})
+    merged_general, _ = _merged(gemm_table.RULES, rules)
+    for k in list(rules_small):
+        general_row = {r[0]: r for r in merged_general.get(k, ())}
+        rules_small[k] = [r for r in rules_small[k] if general_row.get(r[0]) != r]
+        if not rules_small[k]:
+            del rules_small[k]
     return TableUpdate(rules, cublas_from, rules_over, cublas_over, rules_small=rules_small)
 
 
@@ -425,15 +436,15 @@ def _wrapped(text: str, width: int) -> list[str]:
 
 def write_table(update: TableUpdate, gpu: str, command: str, path: Path = TABLE_PATH):
     """Overwrite gemm_table.py with measured rules: rows of the buckets measured replace
-    theirs, the other rows (and k) stay; likewise the over-L2 rows."""
+    theirs, the other rows (and k) stay; likewise the over-L2 and small-weight rows."""
     from kbit_cute.kernels import gemm_table
 
     all_rules, kept = _merged(gemm_table.RULES, update.rules)
     all_over, kept_over = _merged(gemm_table.RULES_OVER_L2, update.rules_over_l2)
     all_small, kept_small = _merged(gemm_table.RULES_SMALL, update.rules_small or {})
-    small = update.cublas_from_small
-    if small is None:
-        small = gemm_table.CUBLAS_FROM_M_SMALL
+    cublas_small = update.cublas_from_small
+    if cublas_small is None:
+        cublas_small = gemm_table.CUBLAS_FROM_M_SMALL
     if kept or kept_over or kept_small:  # the kept rows were measured by the commands before
         command = f"{gemm_table.COMMAND}; then {command}"
     all_cublas = {**gemm_table.CUBLAS_FROM_M, **update.cublas_from}
@@ -470,7 +481,7 @@ def write_table(update: TableUpdate, gpu: str, command: str, path: Path = TABLE_
         *_rules_lines("RULES_OVER_L2", all_over),
         f"CUBLAS_FROM_M_OVER_L2 = {dict(sorted(all_cublas_over.items()))!r}",
         "CUBLAS_FROM_M_SMALL = [",
-        *[f"    ({size}, {dict(sorted(by_k.items()))!r})," for size, by_k in small],
+        *[f"    ({size}, {dict(sorted(by_k.items()))!r})," for size, by_k in cublas_small],
         "]",
         f"SMALL_WEIGHT_ELEMENTS = {gemm_table.SMALL_WEIGHT_ELEMENTS}",
         *_rules_lines("RULES_SMALL", all_small),
@@ -588,7 +599,8 @@ def main(argv=None) -> None:
         update = table_from(recs, args.keep_tilings)
         write_table(update, gpu, command)
         print(f"wrote {TABLE_PATH}: k = {sorted(update.rules)}, "
-              f"over the L2 k = {sorted(update.rules_over_l2)}")  # fmt: skip
+              f"over the L2 k = {sorted(update.rules_over_l2)}, "
+              f"small weights k = {sorted(update.rules_small or {})}")  # fmt: skip
         return
 
     if args.write_small_from:

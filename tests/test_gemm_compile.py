@@ -241,6 +241,8 @@ def test_table_rows_are_valid_and_cover_every_m():
             assert gd.table_rule(k, M)[0] in [r[1] for r in rows]
             assert gd.table_rule(k, M, True)[0] in [r[1] for r in rows + over_l2]
             assert gd.table_rule(k, M, small=True)[0] in [r[1] for r in rows + small]
+        for m_max, *row in small:  # a small row serves its own bucket
+            assert gd.table_rule(k, m_max, small=True) == tuple(row)
             # a weight over the L2 is never of the small class
             assert gd.table_rule(k, M, True, small=True) == gd.table_rule(k, M, True)
 
@@ -466,20 +468,28 @@ def test_small_weights_get_rows_of_their_own(tmp_path, monkeypatch):
 
     monkeypatch.setattr(gemm_table, "RULES_SMALL", {})
     m32, m64 = "m32n128k64s4w1x4r", "m64n256k64s6w1x8rg"
+    _, m16, m16_ctas, _ = gemm_table.RULES[4][0]  # the general M <= 16 row
     recs = []
     for (K, N), small in (((2048, 512), True), ((4096, 2048), True), ((4096, 14336), False)):
-        assert gd.small_weight(N, K) is small
+        assert gd.small_weight(N, K, False) is small and not gd.small_weight(N, K, True)
         base = dict(K=K, N=N, k=4, M=64, m_max=64, over_l2=False)
-        recs.append(dict(base, impl="dequant_cublas", us=5.0))  # would move CUBLAS_FROM_M
+        # dequantize + cuBLAS fast on the small weights only: it must not move CUBLAS_FROM_M
+        recs.append(dict(base, impl="dequant_cublas", us=5.0 if small else 50.0))
         for name in (m32, m64):
             fast = (name == m32) == small
             recs.append(dict(base, impl="kernel", config=name, ctas_per_sm=1,
                              us=10.0 * (1.0 if fast else 1.4)))  # fmt: skip
+        if small:  # at M = 16 the general row wins: no small row for that bucket
+            base = dict(base, M=16, m_max=16)
+            recs.append(dict(base, impl="dequant_cublas", us=5.0))
+            for name, ctas, us in ((m16, m16_ctas, 4.0), (m32, 1, 6.0)):
+                recs.append(dict(base, impl="kernel", config=name, ctas_per_sm=ctas, us=us))
     update = bg.table_from(recs)
     assert update.rules_small[4] == [(64, m32, 1, 16)]
     assert update.rules[4] == [(64, m64, 1, 16)]
+    assert update.cublas_from == {}
     path = tmp_path / "table.py"
-    bg.write_table(update._replace(cublas_from={}), "Test GPU", "python -m perf.bench_gemm", path)
+    bg.write_table(update, "Test GPU", "python -m perf.bench_gemm", path)
     spec = importlib.util.spec_from_file_location("t", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -489,8 +499,10 @@ def test_small_weights_get_rows_of_their_own(tmp_path, monkeypatch):
     l2 = 50 << 20
     assert gd.plan(64, 2048, 4096, 4, 132, l2)[0] == g.GemmConfig.parse(m32)
     assert gd.plan(64, 14336, 4096, 4, 132, l2)[0] == g.GemmConfig.parse(gd.table_rule(4, 64)[0])
-    # past the small rows' last bucket the general rows apply
-    assert gd.plan(100, 2048, 4096, 4, 132, l2)[0] == g.GemmConfig.parse(gd.table_rule(4, 100)[0])
+    # buckets without a small row (below and past it) take the general rows
+    for M in (16, 32, 100):
+        got = gd.plan(M, 2048, 4096, 4, 132, l2)[0]
+        assert got == g.GemmConfig.parse(gd.table_rule(4, M)[0]), M
     assert m32 in {c.name for c in gd.table_configs(4)}
 
 
@@ -520,8 +532,7 @@ def test_keep_tilings_chooses_among_the_tables_own():
     from perf import bench_gemm as bg
 
     have = gemm_table.RULES[4][0][1]  # the M <= 16 row's tiling
-    new = next(n for n in bg.BUCKETS[0][2] if n not in {r[1] for r in gemm_table.RULES[4]}
-               and n not in {r[1] for r in gemm_table.RULES_OVER_L2.get(4, ())})  # fmt: skip
+    new = next(n for n in bg.BUCKETS[0][2] if n not in {r[1] for r in g.table_rows(4)})
     recs = []
     for K, N in bg.SHAPES[:2]:
         base = dict(K=K, N=N, k=4, M=16, m_max=16, over_l2=False)

@@ -287,6 +287,7 @@ def test_hot_path_keeps_every_check(fake_gpu, gen):
     K, N, k, dtype = 256, 128, 4, torch.float16
     w = fake_weight(gen, N, K, k, dtype)
     A = fake(torch.randn(1, K, generator=gen).to(dtype))
+    bias = fake(torch.randn(N, generator=gen).to(dtype))
     kbit_cute.gemm(A, w)
     kbit_cute.gemm(A, w)
     assert ops._gemv_plans[(k, N, K, 7, dtype)].scratch  # the hot path ran
@@ -312,10 +313,18 @@ def test_hot_path_keeps_every_check(fake_gpu, gen):
          ValueError, "out must be"),
         (lambda: kbit_cute.gemm(A, w, out=torch.empty(1, N, dtype=dtype)),
          ValueError, "out must be"),
+        (lambda: kbit_cute.gemm(A, w, out=fake(A.view(-1)[:N].view(1, N))),
+         ValueError, "out shares memory with A"),
+        (lambda: kbit_cute.gemm(A, w, bias, out=fake(bias.view(1, N))),
+         ValueError, "out shares memory with bias"),
     ]  # fmt: skip
     for make, exc, match in bad:
         with pytest.raises(exc, match=match):
             make()
+    # views of one buffer that do not overlap are fine
+    buf = torch.randn(K + N, generator=gen).to(dtype)
+    A2, out2 = fake(buf[:K].view(1, K)), fake(buf[K:].view(1, N))
+    assert kbit_cute.gemm(A2, w, out=out2).data_ptr() == out2.data_ptr()
 
 
 def test_hot_path_shapes_out_and_empty_rows(fake_gpu, gen):
