@@ -31,6 +31,7 @@ from . import device as _device
 from .compile import MisalignedError, current_raw_stream, launcher
 from .format import BLOCK, KbitWeight, padded_shape
 from .kernels import gemm_table
+from .kernels.dequantize import MAX_ROWS as MAX_DEQUANTIZE_ROWS
 from .kernels.device_helpers import check_run_bounds
 from .kernels.gemm import (
     GemmConfig,
@@ -187,8 +188,9 @@ def prefer_cublas(
 
 def use_cublas(M: int, N: int, K: int, k: int, dev: int) -> bool:
     """Whether ``kbit_cute.gemm`` takes dequantize + cuBLAS for this problem on CUDA device
-    ``dev`` (``prefer_cublas`` with the weight's class and size; asked per call)."""
-    return prefer_cublas(M, k, _over_l2_on(N, K, k, dev), N * K)
+    ``dev`` (``prefer_cublas`` with the weight's class and size; asked per call). Never for
+    more rows than the dequantize kernel takes (``MAX_ROWS``): the GEMM has no such bound."""
+    return N <= MAX_DEQUANTIZE_ROWS and prefer_cublas(M, k, _over_l2_on(N, K, k, dev), N * K)
 
 
 @functools.lru_cache(maxsize=4096)

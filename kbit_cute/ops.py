@@ -171,7 +171,7 @@ def _dequantize_impl(packed, absmax, codebook, scale, k, N, K, dtype, out=None):
         w = _dequantize_reference(_as_weight(packed, absmax, codebook, scale, k, N, K), dtype)
         return w if out is None else out.copy_(w)
     _device.check_device(packed.device.index)
-    from .kernels.dequantize import MAX_ROWS, dequantize_spec
+    from .kernels.dequantize import MAX_ROWS
 
     if N > MAX_ROWS:
         raise ValueError(f"the dequantize kernel takes at most {MAX_ROWS} rows (N), got {N}")
@@ -179,7 +179,15 @@ def _dequantize_impl(packed, absmax, codebook, scale, k, N, K, dtype, out=None):
         out = torch.empty(N, K, dtype=dtype, device=packed.device)
     elif out.data_ptr() % 16:
         raise ValueError("out must be 16-byte aligned (a fresh tensor is)")
-    launcher(dequantize_spec(k, _OUT_NAMES[dtype]))(packed, absmax, codebook, scale, out, N, K)
+    return _launch_dequantize(packed, absmax, codebook, scale, k, N, K, out)
+
+
+def _launch_dequantize(packed, absmax, codebook, scale, k, N, K, out):
+    """The dequantize kernel into ``out`` (a 16-byte aligned [N, K] CUDA tensor; the caller
+    has checked the weight and N <= ``MAX_ROWS``)."""
+    from .kernels.dequantize import dequantize_spec
+
+    launcher(dequantize_spec(k, _OUT_NAMES[out.dtype]))(packed, absmax, codebook, scale, out, N, K)
     return out
 
 
@@ -720,7 +728,9 @@ def _gemm_large_m(A, packed, absmax, codebook, scale, k, N, K, bias, out):
     M = A.numel() // K
     A2d, out2d = A.reshape(M, K), out.view(M, N)
     if gemm_dispatch.use_cublas(M, N, K, k, A.get_device()):
-        W = _dequantize_impl(packed, absmax, codebook, scale, k, N, K, A.dtype)
+        # (the weight was checked when its shape was planned: no second check per call)
+        W = torch.empty(N, K, dtype=A.dtype, device=A.device)
+        _launch_dequantize(packed, absmax, codebook, scale, k, N, K, W)
         # cuBLAS writes out itself (what F.linear computes, without its M x N result and a
         # copy kernel: 1.4 us per call on Qwen-sized weights at M = 32..64, measured)
         if bias is None:
