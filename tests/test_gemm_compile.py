@@ -244,7 +244,7 @@ def test_table_rows_are_valid_and_cover_every_m():
         for m_max, *row in small:  # a small row serves its own bucket
             assert gd.table_rule(k, m_max, small=True) == tuple(row)
             # a weight over the L2 is never of the small class
-            assert gd.table_rule(k, M, True, small=True) == gd.table_rule(k, M, True)
+            assert gd.table_rule(k, m_max, True, small=True) == gd.table_rule(k, m_max, True)
 
 
 def test_lane_table_falls_back_where_it_does_not_fit():
@@ -338,13 +338,26 @@ def test_bad_inputs_raise_clear_errors(cpu_weight):
         _call(A, qw)
 
 
+def _written_table(tmp_path, update, gpu, command):
+    """``bench_gemm.write_table(update, gpu, command)`` into a file of ``tmp_path``, imported
+    as a module (the committed table stays as it is)."""
+    import importlib.util
+
+    from perf import bench_gemm as bg
+
+    path = tmp_path / "table.py"
+    bg.write_table(update, gpu, command, path)
+    spec = importlib.util.spec_from_file_location("t", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.mark.parametrize("provisional", [True, False])
 def test_benchmark_writes_a_loadable_table(tmp_path, monkeypatch, provisional):
     """perf.bench_gemm's table writer, fed synthetic timings: the fastest candidate per
     bucket wins, cuBLAS takes over where it was faster at every larger M. The table stays
     provisional while some k's rows were never measured."""
-    import importlib.util
-
     from perf import bench_gemm as bg
 
     monkeypatch.setattr(gemm_table, "PROVISIONAL", provisional)
@@ -364,11 +377,7 @@ def test_benchmark_writes_a_loadable_table(tmp_path, monkeypatch, provisional):
     rules, cublas_from = update.rules, update.cublas_from
     assert cublas_from == {3: 1024} and update.rules_over_l2 == {}
     assert [r[1:3] for r in rules[3]] == [(names[0], 2) for _, _, names in bg.BUCKETS]
-    path = tmp_path / "table.py"
-    bg.write_table(update, "Test GPU", "python -m perf.bench_gemm --test", path)
-    spec = importlib.util.spec_from_file_location("t", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _written_table(tmp_path, update, "Test GPU", "python -m perf.bench_gemm --test")
     assert mod.RULES[3] == rules[3] and mod.CUBLAS_FROM_M[3] == 1024
     assert mod.PROVISIONAL is provisional  # the other k kept their rows, measured or not
     assert mod.MEASURED_ON == "Test GPU" and set(mod.RULES) == {2, 3, 4, 5}
@@ -377,8 +386,6 @@ def test_benchmark_writes_a_loadable_table(tmp_path, monkeypatch, provisional):
 def test_tuning_some_buckets_keeps_the_other_rows(tmp_path):
     """``bench_gemm --tune --buckets``: the measured buckets' rows are replaced, the others
     and the cuBLAS threshold stay, and the command history keeps the earlier tune."""
-    import importlib.util
-
     from perf import bench_gemm as bg
 
     recs = []
@@ -390,11 +397,7 @@ def test_tuning_some_buckets_keeps_the_other_rows(tmp_path):
     update = bg.table_from(recs)
     assert update.rules[4] == [(16, "m16n128k64s4w1x4", 3, bg.MAX_SPLITS)]
     assert update.cublas_from == {}
-    path = tmp_path / "table.py"
-    bg.write_table(update, "Test GPU", "python -m perf.bench_gemm --test", path)
-    spec = importlib.util.spec_from_file_location("t", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _written_table(tmp_path, update, "Test GPU", "python -m perf.bench_gemm --test")
     assert mod.RULES[4][0] == (16, "m16n128k64s4w1x4", 3, bg.MAX_SPLITS)
     assert mod.RULES[4][1:] == gemm_table.RULES[4][1:]
     assert mod.CUBLAS_FROM_M == gemm_table.CUBLAS_FROM_M
@@ -409,8 +412,6 @@ def test_weights_over_l2_get_rows_of_their_own(tmp_path, monkeypatch):
     """Records of weights over the L2 (``over_l2``) make RULES_OVER_L2 and its own cuBLAS
     threshold, the other records the general rows; both land in the written table, which
     the dispatcher then reads: over-L2 rows where they cover M, else the general rows."""
-    import importlib.util
-
     from perf import bench_gemm as bg
 
     monkeypatch.setattr(gemm_table, "RULES_OVER_L2", {})
@@ -429,11 +430,7 @@ def test_weights_over_l2_get_rows_of_their_own(tmp_path, monkeypatch):
     assert update.rules[4] == [(128, general, 1, 16), (512, general, 1, 16)]
     assert update.rules_over_l2[4] == [(128, big, 1, 16), (512, big, 1, 16)]
     assert update.cublas_from == {4: 512} and update.cublas_from_over_l2 == {4: 512}
-    path = tmp_path / "table.py"
-    bg.write_table(update, "Test GPU", "python -m perf.bench_gemm --test", path)
-    spec = importlib.util.spec_from_file_location("t", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _written_table(tmp_path, update, "Test GPU", "python -m perf.bench_gemm --test")
     assert mod.RULES_OVER_L2 == {4: update.rules_over_l2[4]}
     assert mod.CUBLAS_FROM_M_OVER_L2 == {4: 512}
     assert (128, general, 1, 16) in mod.RULES[4]
@@ -454,6 +451,8 @@ def test_weights_over_l2_get_rows_of_their_own(tmp_path, monkeypatch):
     monkeypatch.setattr(gd, "_over_l2_on", lambda N, K, k, dev: gd.weight_over_l2(N, K, k, l2))
     assert gd.use_cublas(1 << 20, 28672, 8192, 4, 0) is False
     assert gd.use_cublas(1 << 20, 14336, 4096, 4, 0) is gd.prefer_cublas(1 << 20, 4)
+    # more rows than the dequantize kernel takes: the GEMM, whatever the table says
+    assert gd.use_cublas(1 << 20, gd.MAX_DEQUANTIZE_ROWS + 128, 64, 4, 0) is False
     assert big in {c.name for c in gd.table_configs(4)}
 
 
@@ -462,8 +461,6 @@ def test_small_weights_get_rows_of_their_own(tmp_path, monkeypatch):
     before the class existed) make RULES_SMALL, the others the general rows; the written
     table's small rows are what ``plan`` takes for such weights where they cover M, and
     they leave the cuBLAS thresholds alone (small weights have CUBLAS_FROM_M_SMALL)."""
-    import importlib.util
-
     from perf import bench_gemm as bg
 
     monkeypatch.setattr(gemm_table, "RULES_SMALL", {})
@@ -488,11 +485,7 @@ def test_small_weights_get_rows_of_their_own(tmp_path, monkeypatch):
     assert update.rules_small[4] == [(64, m32, 1, 16)]
     assert update.rules[4] == [(64, m64, 1, 16)]
     assert update.cublas_from == {}
-    path = tmp_path / "table.py"
-    bg.write_table(update, "Test GPU", "python -m perf.bench_gemm", path)
-    spec = importlib.util.spec_from_file_location("t", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _written_table(tmp_path, update, "Test GPU", "python -m perf.bench_gemm")
     assert mod.RULES_SMALL == {4: [(64, m32, 1, 16)]}
     assert mod.CUBLAS_FROM_M_SMALL == gemm_table.CUBLAS_FROM_M_SMALL
     monkeypatch.setattr(gemm_table, "RULES_SMALL", mod.RULES_SMALL)
@@ -584,8 +577,6 @@ def test_small_weights_take_cublas_from_their_own_rows(tmp_path, monkeypatch):
     dequantize + cuBLAS won at every larger M (None where the kernel won at the largest);
     the written rows lower k's general threshold for weights up to their size, never raise
     it, and leave weights over the L2 and larger weights alone."""
-    import importlib.util
-
     from perf import bench_gemm as bg
 
     recs = []
@@ -604,11 +595,8 @@ def test_small_weights_take_cublas_from_their_own_rows(tmp_path, monkeypatch):
     rows = bg.small_weight_rows(recs)
     assert rows == [(1 << 20, {2: 64, 4: 64}), (1 << 23, {2: 128, 4: 256}),
                     (1 << 24, {2: None, 4: 256})]  # fmt: skip
-    path = tmp_path / "table.py"
-    bg.write_table(bg.TableUpdate({}, {}, {}, {}, rows), "Test GPU", "bench --small", path)
-    spec = importlib.util.spec_from_file_location("t", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    update = bg.TableUpdate({}, {}, {}, {}, rows)
+    mod = _written_table(tmp_path, update, "Test GPU", "bench --small")
     assert mod.CUBLAS_FROM_M_SMALL == rows and mod.RULES == gemm_table.RULES
     assert mod.CUBLAS_FROM_M == gemm_table.CUBLAS_FROM_M
     assert mod.COMMAND.startswith(gemm_table.COMMAND) and mod.COMMAND.endswith("bench --small")
