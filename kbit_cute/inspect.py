@@ -206,11 +206,17 @@ def embedded_cubin(obj: bytes) -> bytes:
 
 def inspect_variant(name: str) -> dict:
     """Compile one registered variant in this (worker) process and report on its SASS."""
-    import cutlass.cute as cute
-
     from .kernels import all_specs
 
-    spec = next(s for s in all_specs() if s.name == name)
+    return inspect_spec(next(s for s in all_specs() if s.name == name))
+
+
+def inspect_spec(spec) -> dict:
+    """Compile a ``KernelSpec`` (registered or not, e.g. a perf probe) for the target of
+    this process and report on its SASS."""
+    import cutlass.cute as cute
+
+    name = spec.name
     jit_fn, args = spec.build()
     compiled = cute.compile(jit_fn, *args)
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,0 +1,208 @@
+"""Read floor: the fastest L2-cold read of a weight's bytes that this harness measures.
+
+    python -m perf.read_floor [--shapes KxN ...] [--k 2 3 4 5] [--m 1 4]
+
+The GEMV targets are fractions of the read bandwidth of a 1 GiB ``.sum()``. A 10-40 MB
+weight is read in 4-15 us, where a kernel also pays its launch, the first DRAM latency and
+its tail, so a fraction of the large-copy bandwidth can ask more than any kernel reaches.
+This probe measures what is reachable: a kernel that only reads (16-byte loads, several
+in flight per thread, a grid-stride loop; the xor of what it read is stored only if it
+equals a value it never has), timed exactly as the GEMV is (``perf.common``: weight-sized
+copies rotated over > 4x the L2, CUDA-graph replays, median), over a few grid shapes with
+and without programmatic dependent launch; the best is the floor of any kernel that must
+read those bytes. It prints the floor next to ``kbit_cute.gemm`` at M = 1 (and M = 4) of
+the same bytes, in the same run, with the issue's targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Int32
+from tabulate import tabulate
+
+from kbit_cute.kernels.device_helpers import let_next_kernel_start, wait_previous_kernel
+
+_MAGIC = 0x2545F491  # what the xor of the bytes read is compared with (never stored)
+VECTOR_WORDS = 4  # one 16-byte load
+
+# (threads per CTA, loads in flight per thread, CTAs per SM); each with and without PDL.
+CONFIGS = [(512, 4, 2), (512, 8, 2), (256, 8, 4), (1024, 4, 1), (256, 4, 8), (1024, 8, 2)]
+# The same for the GEMV's pattern, a contiguous run per warp (896 threads: its 7 quads).
+RUN_CONFIGS = [(896, 4, 1), (896, 8, 1), (256, 8, 4)]
+
+ISSUE_SHAPES = ["8192x28672", "4096x14336", "14336x4096"]
+QWEN_SHAPES = ["2048x5120", "5120x2048", "2048x4096", "4096x2048", "2048x2048", "2048x512",
+               "512x2048"]  # fmt: skip
+
+
+class ReadProbeKernel:
+    """Reads n 16-byte vectors; writes nothing (see the module docstring)."""
+
+    def __init__(self, threads: int, unroll: int, pdl: bool, runs: bool = False):
+        self.threads, self.unroll, self.pdl, self.runs = threads, unroll, pdl, runs
+
+    @cute.jit
+    def __call__(self, pSrc: cute.Pointer, pOut: cute.Pointer, n_vec: Int32, ctas: Int32,
+                 stream: cuda.CUstream):  # fmt: skip
+        mSrc = cute.make_tensor(pSrc, cute.make_layout((VECTOR_WORDS, n_vec), stride=(1, 4)))
+        self.kernel(mSrc, pOut, n_vec).launch(
+            grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl
+        )
+
+    @cute.kernel
+    def kernel(self, mSrc: cute.Tensor, pOut: cute.Pointer, n_vec: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
+        wait_previous_kernel(self.pdl)
+        frag = cute.make_rmem_tensor((VECTOR_WORDS, self.unroll), Int32)
+        frag.fill(0)
+        acc = Int32(0)
+        if cutlass.const_expr(self.runs):
+            # Each warp reads one contiguous run (as a GEMV split worker streams its K
+            # tiles), the lanes side by side.
+            warps = ctas * (self.threads // 32)
+            warp = bidx * (self.threads // 32) + tidx // 32
+            run = (n_vec + warps - 1) // warps
+            first = warp * run + tidx % 32
+            end = cutlass.min(first - tidx % 32 + run, n_vec)
+            stride = 32
+        else:
+            # Grid-stride: consecutive threads read consecutive vectors, all over the buffer.
+            first = bidx * self.threads + tidx
+            end = n_vec
+            stride = ctas * self.threads
+        step = stride * self.unroll
+        rounds = (end - first + step - 1) // step
+        for r in cutlass.range(rounds, unroll=1):
+            base = first + r * step
+            for u in cutlass.range_constexpr(self.unroll):
+                if base + u * stride < end:
+                    cute.autovec_copy(mSrc[None, base + u * stride], frag[None, u])
+            for u in cutlass.range_constexpr(self.unroll):
+                if base + u * stride < end:  # (a slot not loaded holds the last round's)
+                    for w in cutlass.range_constexpr(VECTOR_WORDS):
+                        acc = acc ^ frag[w, u]
+        let_next_kernel_start(self.pdl)
+        if acc == Int32(_MAGIC):
+            cute.make_tensor(pOut, cute.make_layout(1))[0] = acc
+
+
+def probe_spec(threads: int, unroll: int, pdl: bool, runs: bool = False):
+    from kbit_cute.compile import KernelSpec, fake_ptr, fake_stream
+
+    def build():
+        kernel = ReadProbeKernel(threads, unroll, pdl, runs)
+        args = (fake_ptr(Int32), fake_ptr(Int32, 4), Int32(1), Int32(1), fake_stream())
+        return kernel, args
+
+    name = f"read_probe_t{threads}_u{unroll}{'_pdl' if pdl else ''}{'_runs' if runs else ''}"
+    return KernelSpec(name, build, expect=("LDG.E.128",))
+
+
+def weight_bytes(K: int, N: int, k: int) -> int:
+    """Bytes of a kbit weight: k bits per weight plus one absmax byte per 32."""
+    return K * N * k // 8 + K * N // 32
+
+
+def floor_us(nbytes: int, sm_count: int, runs: bool = False) -> tuple[float, str]:
+    """The fastest probe configuration's per-call time for ``nbytes`` (L2-cold); ``runs``:
+    of the contiguous-run pattern instead of the grid-stride one."""
+    from kbit_cute.compile import launcher
+    from perf.common import copies_for, graph_time_us
+
+    n_vec = -(-nbytes // 16)
+    copies = [torch.randint(-(2**31), 2**31 - 1, (n_vec * 4,), dtype=torch.int32, device="cuda")
+              for _ in range(copies_for(nbytes))]  # fmt: skip
+    sink = torch.zeros(4, dtype=torch.int32, device="cuda")
+    best = (float("inf"), "")
+    for threads, unroll, per_sm in RUN_CONFIGS if runs else CONFIGS:
+        for pdl in (False, True):
+            fn = launcher(probe_spec(threads, unroll, pdl, runs))
+            ctas = per_sm * sm_count
+
+            def make(i, fn=fn, ctas=ctas):
+                return lambda: fn(copies[i], sink, n_vec, ctas)
+
+            us = graph_time_us(make, len(copies))
+            best = min(best, (us, f"t{threads} u{unroll} x{per_sm}{' pdl' if pdl else ''}"))
+    return best
+
+
+def gemv_us(K: int, N: int, k: int, M: int) -> float:
+    """``kbit_cute.gemm`` at M rows, L2-cold, as ``python -m perf gemm`` times it."""
+    import kbit_cute
+    from kbit_cute.format import quantize
+    from perf.common import copies_for, graph_time_us
+
+    w = torch.randn(N, K, device="cuda") * 0.02
+    qws = [quantize(w, k) for _ in range(copies_for(weight_bytes(K, N, k)))]
+    A = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    out = torch.empty(M, N, device="cuda", dtype=torch.float16)
+    us = graph_time_us(lambda i: lambda: kbit_cute.gemm(A, qws[i], out=out), len(qws))
+    return us
+
+
+def main(argv: list[str] | None = None) -> int:
+    from perf.common import read_bandwidth_gbs
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", nargs="+", default=ISSUE_SHAPES + QWEN_SHAPES, help="KxN")
+    p.add_argument("--k", nargs="+", type=int, default=[2, 3, 4, 5])
+    p.add_argument("--m", nargs="+", type=int, default=[1, 4])
+    p.add_argument("--json", help="write every number here")
+    args = p.parse_args(argv)
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    bw = read_bandwidth_gbs()
+    rows, records = [], []
+    for shape in args.shapes:
+        K, N = (int(x) for x in shape.split("x"))
+        for k in args.k:
+            nbytes = weight_bytes(K, N, k)
+            ideal = nbytes / bw / 1e3  # us at the read bandwidth
+            floor, cfg = floor_us(nbytes, sm_count)
+            runs, runs_cfg = floor_us(nbytes, sm_count, runs=True)
+            rec = {"shape": shape, "k": k, "bytes": nbytes, "read_gbs": bw, "ideal_us": ideal,
+                   "floor_us": floor, "floor_config": cfg, "runs_us": runs,
+                   "runs_config": runs_cfg}  # fmt: skip
+            row = [shape, k, f"{nbytes / 1e6:.1f}", f"{ideal:.2f}", f"{floor:.2f}",
+                   f"{ideal / floor:.0%}", cfg, f"{runs:.2f}"]  # fmt: skip
+            for M in args.m:
+                us = gemv_us(K, N, k, M)
+                rec[f"gemv_m{M}_us"] = us
+                row += [f"{us:.2f}", f"{ideal / us:.0%}", f"{us / floor:.2f}"]
+            # Targets: the big shapes 90% of the read bandwidth, the Qwen shapes bytes/BW +
+            # 2.5 us (issue 3); either is reachable only if the floor is within it.
+            target = ideal / 0.9 if shape in ISSUE_SHAPES else ideal + 2.5
+            rec["target_us"] = target
+            row += [f"{target:.2f}", "yes" if floor <= target else "no"]
+            rows.append(row)
+            records.append(rec)
+            print(" | ".join(str(c) for c in row), flush=True)
+    heads = ["KxN", "k", "MB", "at BW us", "floor us", "floor % BW", "probe", "runs us"]
+    for M in args.m:
+        heads += [f"M={M} us", f"M={M} % BW", f"M={M} / floor"]
+    heads += ["target us", "floor within"]
+    print(f"\nread bandwidth (1 GiB .sum()) {bw:.0f} GB/s; {torch.cuda.get_device_name()}")
+    print(tabulate(rows, headers=heads, tablefmt="github"))
+    out = args.json or (os.path.join(os.environ["OUT"], "read_floor.json") if "OUT" in os.environ
+                        else None)  # fmt: skip
+    if out:
+        with open(out, "w") as f:
+            json.dump({"read_gbs": bw, "rows": records,
+                       "median_gemv_over_floor": statistics.median(
+                           r["gemv_m1_us"] / r["floor_us"] for r in records
+                       ) if 1 in args.m else None}, f, indent=1)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
