@@ -19,7 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+import shlex
+import sys
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -137,8 +138,8 @@ def floor_us(nbytes: int, sm_count: int, runs: bool = False) -> tuple[float, str
     return best
 
 
-def gemv_us(K: int, N: int, k: int, M: int) -> float:
-    """``kbit_cute.gemm`` at M rows, L2-cold, as ``python -m perf gemm`` times it."""
+def kbit_us(K: int, N: int, k: int, M: int) -> float:
+    """``kbit_cute.gemm`` at M rows (GEMV or GEMM, as it dispatches), L2-cold."""
     import kbit_cute
     from kbit_cute.format import quantize
     from perf.common import copies_for, graph_time_us
@@ -147,60 +148,82 @@ def gemv_us(K: int, N: int, k: int, M: int) -> float:
     qws = [quantize(w, k) for _ in range(copies_for(weight_bytes(K, N, k)))]
     A = torch.randn(M, K, device="cuda", dtype=torch.float16)
     out = torch.empty(M, N, device="cuda", dtype=torch.float16)
-    us = graph_time_us(lambda i: lambda: kbit_cute.gemm(A, qws[i], out=out), len(qws))
-    return us
+    return graph_time_us(lambda i: lambda: kbit_cute.gemm(A, qws[i], out=out), len(qws))
+
+
+def cublas_us(K: int, N: int, M: int) -> float:
+    """cuBLAS fp16 ``F.linear`` at M rows, L2-cold."""
+    from perf.common import copies_for, graph_time_us
+
+    ws = [torch.randn(N, K, device="cuda", dtype=torch.float16)
+          for _ in range(copies_for(2 * N * K))]  # fmt: skip
+    A = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    return graph_time_us(lambda i: lambda: torch.nn.functional.linear(A, ws[i]), len(ws))
 
 
 def main(argv: list[str] | None = None) -> int:
-    from perf.common import read_bandwidth_gbs
+    from perf.common import CudaTimer, environment, read_bandwidth_gbs
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", default=ISSUE_SHAPES + QWEN_SHAPES, help="KxN")
     p.add_argument("--k", nargs="+", type=int, default=[2, 3, 4, 5])
     p.add_argument("--m", nargs="+", type=int, default=[1, 4])
-    p.add_argument("--json", help="write every number here")
+    p.add_argument("--cublas", action="store_true", help="time cuBLAS fp16 at each M too")
+    p.add_argument("--json", help="write every number here (default: $OUT/read_floor.json)")
     args = p.parse_args(argv)
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     bw = read_bandwidth_gbs()
     rows, records = [], []
     for shape in args.shapes:
         K, N = (int(x) for x in shape.split("x"))
+        cublas = {M: cublas_us(K, N, M) for M in args.m} if args.cublas else {}
         for k in args.k:
             nbytes = weight_bytes(K, N, k)
             ideal = nbytes / bw / 1e3  # us at the read bandwidth
             floor, cfg = floor_us(nbytes, sm_count)
-            runs, runs_cfg = floor_us(nbytes, sm_count, runs=True)
-            rec = {"shape": shape, "k": k, "bytes": nbytes, "read_gbs": bw, "ideal_us": ideal,
-                   "floor_us": floor, "floor_config": cfg, "runs_us": runs,
-                   "runs_config": runs_cfg}  # fmt: skip
+            runs, _ = floor_us(nbytes, sm_count, runs=True)
+            rec = {"shape": shape, "k": k, "bytes": nbytes, "ideal_us": ideal, "floor_us": floor,
+                   "floor_config": cfg, "runs_us": runs}  # fmt: skip
             row = [shape, k, f"{nbytes / 1e6:.1f}", f"{ideal:.2f}", f"{floor:.2f}",
                    f"{ideal / floor:.0%}", cfg, f"{runs:.2f}"]  # fmt: skip
             for M in args.m:
-                us = gemv_us(K, N, k, M)
-                rec[f"gemv_m{M}_us"] = us
-                row += [f"{us:.2f}", f"{ideal / us:.0%}", f"{us / floor:.2f}"]
-            # Targets: the big shapes 90% of the read bandwidth, the Qwen shapes bytes/BW +
-            # 2.5 us (issue 3); either is reachable only if the floor is within it.
+                us = kbit_us(K, N, k, M)
+                rec[f"m{M}_us"] = us
+                row += [f"{us:.2f}", f"{us / floor:.2f}"]
+                if args.cublas:
+                    rec[f"m{M}_cublas_us"] = cublas[M]
+                    row += [
+                        f"{cublas[M]:.1f}",
+                        f"{cublas[M] / us:.2f}x",
+                        f"{cublas[M] / floor:.2f}x",
+                    ]
+            # GEMV targets (M = 1): the big shapes 90% of the read bandwidth, the Qwen shapes
+            # bytes/BW + 2.5 us; either is reachable only if the floor is within it.
             target = ideal / 0.9 if shape in ISSUE_SHAPES else ideal + 2.5
-            rec["target_us"] = target
+            rec["gemv_target_us"] = target
             row += [f"{target:.2f}", "yes" if floor <= target else "no"]
             rows.append(row)
             records.append(rec)
             print(" | ".join(str(c) for c in row), flush=True)
     heads = ["KxN", "k", "MB", "at BW us", "floor us", "floor % BW", "probe", "runs us"]
     for M in args.m:
-        heads += [f"M={M} us", f"M={M} % BW", f"M={M} / floor"]
-    heads += ["target us", "floor within"]
+        heads += [f"M={M} us", f"M={M} / floor"]
+        if args.cublas:
+            heads += [f"M={M} cuBLAS us", f"M={M} x cuBLAS", "floor x cuBLAS"]
+    heads += ["GEMV target us", "floor within"]
     print(f"\nread bandwidth (1 GiB .sum()) {bw:.0f} GB/s; {torch.cuda.get_device_name()}")
     print(tabulate(rows, headers=heads, tablefmt="github"))
     out = args.json or (os.path.join(os.environ["OUT"], "read_floor.json") if "OUT" in os.environ
                         else None)  # fmt: skip
     if out:
+        env = environment(CudaTimer())
         with open(out, "w") as f:
-            json.dump({"read_gbs": bw, "rows": records,
-                       "median_gemv_over_floor": statistics.median(
-                           r["gemv_m1_us"] / r["floor_us"] for r in records
-                       ) if 1 in args.m else None}, f, indent=1)  # fmt: skip
+            command = "python -m perf.read_floor " + shlex.join(
+                sys.argv[1:] if argv is None else argv
+            )
+            json.dump(
+                {"env": env, "command": command, "read_gbs": bw, "rows": records}, f, indent=1
+            )
     return 0
 
 
