@@ -123,7 +123,9 @@ def mock_rows(K: int, N: int, k: int, dtype: torch.dtype) -> list[tuple[str, flo
     A, qw, qlin, stub = install_mock(K, N, k, dtype)
     out = torch.empty(1, N, dtype=dtype)
     ws, cnt = ops._gemv_plans[(k, N, K, -1, dtype)].scratch[0]
-    raw_args = (A, qw.packed, qw.absmax, qw.codebook, qw.scale, out, out, ws, cnt, 1, N, K, 1, 0, 0)
+    # the launcher's arguments: tensors, M, N, K, workers, ctas, has_bias, then the stream
+    raw_args = (A, qw.packed, qw.absmax, qw.codebook, qw.scale, out, out, ws, cnt,
+                1, N, K, 1, 0, 0, 0)  # fmt: skip
     wargs = (A, qw.packed, qw.absmax, qw.codebook, qw.scale, k, N, K, None, None)
     key = (k, N, K, -1, dtype)
     rows = [

@@ -110,3 +110,20 @@ def test_gpu_run_without_gpu_says_how_to_smoke(tmp_path):
 def test_repeats_below_method_minimum_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="repeats"):
         main(["gemm", "--shape", "64x64", "--repeats", "3", "--out", str(tmp_path)])
+
+
+def test_host_overhead_mock_runs_without_a_gpu(tmp_path):
+    """``python -m perf.bench_host_overhead --mock`` (the README's way to time the Python path
+    on a CPU box) runs every row; in its own process, since it stubs the launch path."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "host.json"
+    subprocess.run(
+        [sys.executable, "-m", "perf.bench_host_overhead", "--mock", "--json", str(out)],
+        check=True, capture_output=True, cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    rows = json.loads(out.read_text())
+    text = json.dumps(rows)
+    assert "launcher, stream given" in text and "KbitLinear" in text
