@@ -1,7 +1,7 @@
 """kbit_cute perf suite: GEMM tables vs cuBLAS and peers, a decode-step benchmark, README tables.
 
     python -m perf gemm   [--model NAME ...] [--shape KxN ...] [--k 2 3 4 5] [--m 1 2 4 ...]
-                          [--dtype fp16|bf16] [--peers tinygemm bnb gemlite] [--out DIR]
+                          [--dtype fp16|bf16] [--peers tinygemm bnb gemlite floor] [--out DIR]
     python -m perf decode [--model llama3-8b qwen3-coder-next] [--batch 1 4] [--k 2 3 4 5]
     python -m perf moe    [--model NAME ...] [--t 1 4 16 64] [--k 4] [--dtype bf16|fp16]
     python -m perf merge  RUN.json ... --out perf/results/h100.json
@@ -14,7 +14,8 @@ gemm.json / decode.json / moe.json (environment and every number), gemm.md / dec
 moe.md (tables), PNG plots; the tables are also printed (the per-model summary last).
 
 Time budget: with no --model/--shape, ``gemm`` sweeps llama3-70b and qwen3-coder-next over
-the default M and k (9 shapes x 8 implementations x 6 M): 443 s measured on the H100, and
+the default M and k (9 shapes x 8 implementations x 6 M, before the read floor joined the
+peers): 443 s measured on the H100, and
 ``--budget-s`` (default 450 s) records whatever is left as skipped, so the run always ends
 within ~8 min and reports. (The cost model printed at the start underestimates: ~100 s.)
 

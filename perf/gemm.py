@@ -129,12 +129,12 @@ def _record(spec: ShapeSpec, impl: Impl, M: int, status: str, **kw) -> dict:
 
 
 # Rough per-call host cost (us) of an eager launch, for the estimate only.
-_HOST_US = {"cublas": 15, "kbit": 90, "tinygemm": 15, "bnb": 40, "gemlite": 60}
+_HOST_US = {"cublas": 15, "kbit": 90, "tinygemm": 15, "bnb": 40, "gemlite": 60, "floor": 10}
 
 
 def _weight_bytes(impl: Impl, K: int, N: int) -> float:
     per = {"cublas": 2.0, "tinygemm": 0.5 + 4 / 128, "bnb": 0.5 + 4 / 64, "gemlite": 0.5 + 4 / 64}
-    if impl.name == "kbit":
+    if impl.name in ("kbit", "floor"):  # the floor reads a kbit weight's bytes
         return K * N * (impl.k / 8 + 1 / 32)
     return K * N * per[impl.name]
 
@@ -154,12 +154,15 @@ def estimate_seconds(shapes, impls, Ms, read_gbs=3000.0, tflops=650.0, l2=50 * 2
             total += n * wb / (read_gbs * 1e9) * 2 + 0.002 * n * (impl.name == "gemlite")
             if impl.name == "gemlite":
                 total += 1.0 * len({min(2 ** math.ceil(math.log2(M)), 4096) for M in Ms})
+            if impl.name == "floor":  # its prepare times every probe grid once
+                total += 1.5
             for M in Ms:
                 eff = {"tinygemm": 0.15, "gemlite": 0.6}.get(impl.name, 1.0)
                 mem = (wb + 2 * M * (K + N)) / (read_gbs * 1e3)
                 if impl.name in ("kbit", "bnb") and M > GEMV_MAX_M:
                     mem += 2 * 2 * K * N / (read_gbs * 1e3)  # dequantize + cuBLAS path
-                gpu = max(mem, 2 * M * K * N / (tflops * 1e6 * eff)) + 3
+                flops = 0 if impl.name == "floor" else 2 * M * K * N
+                gpu = max(mem, flops / (tflops * 1e6 * eff)) + 3
                 host = _HOST_US[impl.name]
                 calls = max(n, min(20, math.ceil(5000 / max(gpu, host))))
                 eager = EAGER_REPEATS * min(n, EAGER_MAX_CALLS) * max(gpu, host)

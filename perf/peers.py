@@ -15,6 +15,10 @@ Peers, as the issue fixes them:
 - gemlite W4, group 64: ``GemLiteLinear(4, group_size=64, ...)``, ``.pack(W_q, scales, zeros)``
   (HQQ-style asymmetric int4), forward by calling the module (gemlite's default kernel
   choice and its shipped autotune cache).
+
+Not a peer but a ceiling: ``floor``, the fastest read of the k = 4 weight's bytes
+(``perf.read_floor``'s probe, which computes nothing, at its best grid for the size): the
+speedup over cuBLAS of a k = 4 kernel that took no longer than reading its weight.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch.nn.functional as F
 
 import kbit_cute
 
-PEER_NAMES = ("tinygemm", "bnb", "gemlite")
+PEER_NAMES = ("tinygemm", "bnb", "gemlite", "floor")
 
 
 def tensor_bytes(*ts) -> int:
@@ -196,7 +200,42 @@ class GemliteW4(Impl):
         return lambda: m(A)
 
 
-PEERS: dict[str, type[Impl]] = {"tinygemm": Tinygemm, "bnb": BnbNF4, "gemlite": GemliteW4}
+class ReadFloor(Impl):
+    """Reads a kbit weight's bytes and computes nothing (the module docstring)."""
+
+    name = "floor"
+    note = "reads the k = 4 weight's bytes, computes nothing (perf/read_floor.py)"
+
+    def __init__(self, k: int = 4):
+        super().__init__()
+        self.k = k
+        self.label = f"read floor k={k}"
+
+    def prepare(self, W, n_copies):
+        from . import read_floor
+
+        N, K = W.shape
+        self.nbytes = read_floor.weight_bytes(K, N, self.k)
+        words = -(-self.nbytes // 16) * 4
+        self.copies = [torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32,
+                                     device=W.device) for _ in range(n_copies(self.nbytes))]  # fmt: skip
+        self.sink = torch.zeros(4, dtype=torch.int32, device=W.device)
+        self.config = None
+        if W.is_cuda:  # the probe's grid: the fastest for this size (a few ms of timing)
+            self.sm_count = torch.cuda.get_device_properties(W.device).multi_processor_count
+            self.config = read_floor.best_probe(self.nbytes, self.sm_count)[1]
+
+    def make_call(self, i, A):
+        if self.config is None:  # CPU smoke runs: a plain read of the same bytes
+            return self.copies[i].sum
+        from .read_floor import probe_call
+
+        return probe_call(self.config, self.copies[i], self.sink, self.sm_count)
+
+
+PEERS: dict[str, type[Impl]] = {
+    "tinygemm": Tinygemm, "bnb": BnbNF4, "gemlite": GemliteW4, "floor": ReadFloor,
+}  # fmt: skip
 
 
 def make_impls(ks, peers) -> list[Impl]:

@@ -114,28 +114,47 @@ def weight_bytes(K: int, N: int, k: int) -> int:
     return K * N * k // 8 + K * N // 32
 
 
-def floor_us(nbytes: int, sm_count: int, runs: bool = False) -> tuple[float, str]:
-    """The fastest probe configuration's per-call time for ``nbytes`` (L2-cold); ``runs``:
-    of the contiguous-run pattern instead of the grid-stride one."""
+def probe_call(config: tuple, src: torch.Tensor, sink: torch.Tensor, sm_count: int):
+    """A zero-argument launch of the probe ``config`` = (threads, unroll, CTAs per SM, pdl,
+    runs) reading all of ``src`` (int32, a multiple of 4 words)."""
     from kbit_cute.compile import launcher
+
+    threads, unroll, per_sm, pdl, runs = config
+    fn = launcher(probe_spec(threads, unroll, pdl, runs))
+    n_vec, ctas = src.numel() // VECTOR_WORDS, per_sm * sm_count
+    return lambda: fn(src, sink, n_vec, ctas)
+
+
+def config_label(config: tuple) -> str:
+    threads, unroll, per_sm, pdl, _ = config
+    return f"t{threads} u{unroll} x{per_sm}{' pdl' if pdl else ''}"
+
+
+def best_probe(nbytes: int, sm_count: int, runs: bool = False) -> tuple[float, tuple]:
+    """(per-call us, config) of the fastest probe configuration for ``nbytes``, L2-cold;
+    ``runs``: among the contiguous-run ones instead of the grid-stride ones."""
     from perf.common import copies_for, graph_time_us
 
     n_vec = -(-nbytes // 16)
     copies = [torch.randint(-(2**31), 2**31 - 1, (n_vec * 4,), dtype=torch.int32, device="cuda")
               for _ in range(copies_for(nbytes))]  # fmt: skip
     sink = torch.zeros(4, dtype=torch.int32, device="cuda")
-    best = (float("inf"), "")
+    best = (float("inf"), ())
     for threads, unroll, per_sm in RUN_CONFIGS if runs else CONFIGS:
         for pdl in (False, True):
-            fn = launcher(probe_spec(threads, unroll, pdl, runs))
-            ctas = per_sm * sm_count
+            config = (threads, unroll, per_sm, pdl, runs)
 
-            def make(i, fn=fn, ctas=ctas):
-                return lambda: fn(copies[i], sink, n_vec, ctas)
+            def make(i, config=config):
+                return probe_call(config, copies[i], sink, sm_count)
 
-            us = graph_time_us(make, len(copies))
-            best = min(best, (us, f"t{threads} u{unroll} x{per_sm}{' pdl' if pdl else ''}"))
+            best = min(best, (graph_time_us(make, len(copies)), config))
     return best
+
+
+def floor_us(nbytes: int, sm_count: int, runs: bool = False) -> tuple[float, str]:
+    """``best_probe`` as (us, its configuration's label)."""
+    us, config = best_probe(nbytes, sm_count, runs)
+    return us, config_label(config)
 
 
 def kbit_us(K: int, N: int, k: int, M: int) -> float:
