@@ -204,12 +204,12 @@ class ReadFloor(Impl):
     """Reads a kbit weight's bytes and computes nothing (the module docstring)."""
 
     name = "floor"
-    note = "reads the k = 4 weight's bytes, computes nothing (perf/read_floor.py)"
 
     def __init__(self, k: int = 4):
         super().__init__()
         self.k = k
         self.label = f"read floor k={k}"
+        self.note = f"reads the k = {k} weight's bytes, computes nothing (perf/read_floor.py)"
 
     def prepare(self, W, n_copies):
         from . import read_floor

@@ -1,6 +1,6 @@
 """Read floor: the fastest L2-cold read of a weight's bytes that this harness measures.
 
-    python -m perf.read_floor [--shapes KxN ...] [--k 2 3 4 5] [--m 1 4]
+    python -m perf.read_floor [--shapes KxN ...] [--k 2 3 4 5] [--m 1 4] [--cublas]
 
 The GEMV targets are fractions of the read bandwidth of a 1 GiB ``.sum()``. A 10-40 MB
 weight is read in 4-15 us, where a kernel also pays its launch, the first DRAM latency and
@@ -9,9 +9,10 @@ This probe measures what is reachable: a kernel that only reads (16-byte loads, 
 in flight per thread, a grid-stride loop; the xor of what it read is stored only if it
 equals a value it never has), timed exactly as the GEMV is (``perf.common``: weight-sized
 copies rotated over > 4x the L2, CUDA-graph replays, median), over a few grid shapes with
-and without programmatic dependent launch; the best is the floor of any kernel that must
-read those bytes. It prints the floor next to ``kbit_cute.gemm`` at M = 1 (and M = 4) of
-the same bytes, in the same run, with the issue's targets.
+and without programmatic dependent launch; the best is what a kernel that must read those
+bytes, and do work besides, can hope for. It prints the floor next to ``kbit_cute.gemm`` at
+the asked M (and cuBLAS fp16 with ``--cublas``) in the same run, with issue 3's targets.
+``python -m perf gemm`` shows it as a column too (peer ``floor``, ``perf/peers.py``).
 """
 
 from __future__ import annotations

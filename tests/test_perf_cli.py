@@ -19,7 +19,8 @@ def test_gemm_defaults():
     a = parse("gemm")
     assert a.model is None and a.shape is None
     assert a.m == list(DEFAULT_MS) and a.k == [2, 3, 4, 5] and a.dtype == "fp16"
-    assert a.peers == ["tinygemm", "bnb", "gemlite", "floor"] and a.budget_s == 450 and a.repeats == 9
+    assert a.peers == ["tinygemm", "bnb", "gemlite", "floor"]
+    assert a.budget_s == 450 and a.repeats == 9
     assert not a.cpu_smoke
 
 
