@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kbit_cute.gemm_dispatch import weight_bytes
 from kbit_cute.ops import _M_BUCKET, GEMV_MAX_M
 
 from . import models
@@ -135,7 +136,7 @@ _HOST_US = {"cublas": 15, "kbit": 90, "tinygemm": 15, "bnb": 40, "gemlite": 60, 
 def _weight_bytes(impl: Impl, K: int, N: int) -> float:
     per = {"cublas": 2.0, "tinygemm": 0.5 + 4 / 128, "bnb": 0.5 + 4 / 64, "gemlite": 0.5 + 4 / 64}
     if impl.name in ("kbit", "floor"):  # the floor reads a kbit weight's bytes
-        return K * N * (impl.k / 8 + 1 / 32)
+        return weight_bytes(N, K, impl.k)
     return K * N * per[impl.name]
 
 

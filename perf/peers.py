@@ -212,18 +212,18 @@ class ReadFloor(Impl):
         self.note = f"reads the k = {k} weight's bytes, computes nothing (perf/read_floor.py)"
 
     def prepare(self, W, n_copies):
+        from kbit_cute.gemm_dispatch import weight_bytes
+
         from . import read_floor
 
         N, K = W.shape
-        self.nbytes = read_floor.weight_bytes(K, N, self.k)
-        words = -(-self.nbytes // 16) * 4
-        self.copies = [torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32,
-                                     device=W.device) for _ in range(n_copies(self.nbytes))]  # fmt: skip
+        self.nbytes = weight_bytes(N, K, self.k)
+        self.copies = read_floor.probe_copies(self.nbytes, n_copies(self.nbytes), W.device)
         self.sink = torch.zeros(4, dtype=torch.int32, device=W.device)
         self.config = None
-        if W.is_cuda:  # the probe's grid: the fastest for this size (a few ms of timing)
+        if W.is_cuda:  # the probe's grid: the fastest for this size, timed on these copies
             self.sm_count = torch.cuda.get_device_properties(W.device).multi_processor_count
-            self.config = read_floor.best_probe(self.nbytes, self.sm_count)[1]
+            self.config = read_floor.best_probe(self.copies, self.sm_count)[1]
 
     def make_call(self, i, A):
         if self.config is None:  # CPU smoke runs: a plain read of the same bytes

@@ -110,11 +110,6 @@ def probe_spec(threads: int, unroll: int, pdl: bool, runs: bool = False):
     return KernelSpec(name, build, expect=("LDG.E.128",))
 
 
-def weight_bytes(K: int, N: int, k: int) -> int:
-    """Bytes of a kbit weight: k bits per weight plus one absmax byte per 32."""
-    return K * N * k // 8 + K * N // 32
-
-
 def probe_call(config: tuple, src: torch.Tensor, sink: torch.Tensor, sm_count: int):
     """A zero-argument launch of the probe ``config`` = (threads, unroll, CTAs per SM, pdl,
     runs) reading all of ``src`` (int32, a multiple of 4 words)."""
@@ -131,15 +126,20 @@ def config_label(config: tuple) -> str:
     return f"t{threads} u{unroll} x{per_sm}{' pdl' if pdl else ''}"
 
 
-def best_probe(nbytes: int, sm_count: int, runs: bool = False) -> tuple[float, tuple]:
-    """(per-call us, config) of the fastest probe configuration for ``nbytes``, L2-cold;
-    ``runs``: among the contiguous-run ones instead of the grid-stride ones."""
-    from perf.common import copies_for, graph_time_us
+def probe_copies(nbytes: int, n: int, device="cuda") -> list[torch.Tensor]:
+    """``n`` random int32 buffers of ``nbytes`` rounded up to whole 16-byte vectors."""
+    words = -(-nbytes // 16) * VECTOR_WORDS
+    return [torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32, device=device)
+            for _ in range(n)]  # fmt: skip
 
-    n_vec = -(-nbytes // 16)
-    copies = [torch.randint(-(2**31), 2**31 - 1, (n_vec * 4,), dtype=torch.int32, device="cuda")
-              for _ in range(copies_for(nbytes))]  # fmt: skip
-    sink = torch.zeros(4, dtype=torch.int32, device="cuda")
+
+def best_probe(copies: list, sm_count: int, runs: bool = False) -> tuple[float, tuple]:
+    """(per-call us, config) of the fastest probe configuration reading ``copies`` in turn
+    (``probe_copies``, spanning > 4x the L2); ``runs``: among the contiguous-run ones
+    instead of the grid-stride ones."""
+    from perf.common import graph_time_us
+
+    sink = torch.zeros(4, dtype=torch.int32, device=copies[0].device)
     best = (float("inf"), ())
     for threads, unroll, per_sm in RUN_CONFIGS if runs else CONFIGS:
         for pdl in (False, True):
@@ -153,36 +153,24 @@ def best_probe(nbytes: int, sm_count: int, runs: bool = False) -> tuple[float, t
 
 
 def floor_us(nbytes: int, sm_count: int, runs: bool = False) -> tuple[float, str]:
-    """``best_probe`` as (us, its configuration's label)."""
-    us, config = best_probe(nbytes, sm_count, runs)
+    """``best_probe`` of ``nbytes`` as (us, its configuration's label)."""
+    from perf.common import copies_for
+
+    us, config = best_probe(probe_copies(nbytes, copies_for(nbytes)), sm_count, runs)
     return us, config_label(config)
 
 
-def kbit_us(K: int, N: int, k: int, M: int) -> float:
-    """``kbit_cute.gemm`` at M rows (GEMV or GEMM, as it dispatches), L2-cold."""
-    import kbit_cute
-    from kbit_cute.format import quantize
-    from perf.common import copies_for, graph_time_us
+def impl_us(impl, A) -> float:
+    """Per-call us of a prepared ``perf.peers`` implementation on A, L2-cold (its copies in
+    turn), as ``python -m perf gemm`` times it."""
+    from perf.common import graph_time_us
 
-    w = torch.randn(N, K, device="cuda") * 0.02
-    qws = [quantize(w, k) for _ in range(copies_for(weight_bytes(K, N, k)))]
-    A = torch.randn(M, K, device="cuda", dtype=torch.float16)
-    out = torch.empty(M, N, device="cuda", dtype=torch.float16)
-    return graph_time_us(lambda i: lambda: kbit_cute.gemm(A, qws[i], out=out), len(qws))
-
-
-def cublas_us(K: int, N: int, M: int) -> float:
-    """cuBLAS fp16 ``F.linear`` at M rows, L2-cold."""
-    from perf.common import copies_for, graph_time_us
-
-    ws = [torch.randn(N, K, device="cuda", dtype=torch.float16)
-          for _ in range(copies_for(2 * N * K))]  # fmt: skip
-    A = torch.randn(M, K, device="cuda", dtype=torch.float16)
-    return graph_time_us(lambda i: lambda: torch.nn.functional.linear(A, ws[i]), len(ws))
+    return graph_time_us(lambda i: impl.make_call(i, A), len(impl.copies))
 
 
 def main(argv: list[str] | None = None) -> int:
-    from perf.common import CudaTimer, environment, read_bandwidth_gbs
+    from perf.common import CudaTimer, copies_for, environment, read_bandwidth_gbs
+    from perf.peers import Cublas, Kbit
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", default=ISSUE_SHAPES + QWEN_SHAPES, help="KxN")
@@ -196,9 +184,18 @@ def main(argv: list[str] | None = None) -> int:
     rows, records = [], []
     for shape in args.shapes:
         K, N = (int(x) for x in shape.split("x"))
-        cublas = {M: cublas_us(K, N, M) for M in args.m} if args.cublas else {}
+        W = torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
+        As = {M: torch.randn(M, K, device="cuda", dtype=torch.float16) for M in args.m}
+        cublas = {}
+        if args.cublas:
+            base = Cublas()
+            base.prepare(W, copies_for)
+            cublas = {M: impl_us(base, As[M]) for M in args.m}
+            base.release()
         for k in args.k:
-            nbytes = weight_bytes(K, N, k)
+            kbit = Kbit(k)
+            kbit.prepare(W, copies_for)
+            nbytes = kbit.nbytes
             ideal = nbytes / bw / 1e3  # us at the read bandwidth
             floor, cfg = floor_us(nbytes, sm_count)
             runs, _ = floor_us(nbytes, sm_count, runs=True)
@@ -207,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             row = [shape, k, f"{nbytes / 1e6:.1f}", f"{ideal:.2f}", f"{floor:.2f}",
                    f"{ideal / floor:.0%}", cfg, f"{runs:.2f}"]  # fmt: skip
             for M in args.m:
-                us = kbit_us(K, N, k, M)
+                us = impl_us(kbit, As[M])
                 rec[f"m{M}_us"] = us
                 row += [f"{us:.2f}", f"{us / floor:.2f}"]
                 if args.cublas:
@@ -222,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             target = ideal / 0.9 if shape in ISSUE_SHAPES else ideal + 2.5
             rec["gemv_target_us"] = target
             row += [f"{target:.2f}", "yes" if floor <= target else "no"]
+            kbit.release()
             rows.append(row)
             records.append(rec)
             print(" | ".join(str(c) for c in row), flush=True)

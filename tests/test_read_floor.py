@@ -14,9 +14,19 @@ def test_probe_compiles_to_vector_loads(threads, unroll, pdl, runs):
     assert row["LDG.E.128"] == unroll and row["spill_ops"] == 0 and row["ok"]
 
 
-def test_weight_bytes_counts_planes_and_absmax():
-    assert rf.weight_bytes(8192, 28672, 4) == 8192 * 28672 // 2 + 8192 * 28672 // 32
-    assert rf.weight_bytes(64, 32, 3) == 64 * 32 * 3 // 8 + 64
+def test_floor_reads_the_weights_bytes():
+    """The floor peer reads what a kbit weight holds (``gemm_dispatch.weight_bytes``, the
+    tiled words and absmax of the padded shape), in whole 16-byte vectors."""
+    from kbit_cute.gemm_dispatch import weight_bytes
+    from perf.peers import ReadFloor
+
+    assert weight_bytes(28672, 8192, 4) == 8192 * 28672 // 2 + 8192 * 28672 // 32
+    assert weight_bytes(32, 64, 3) == 64 * 128 * 3 // 8 + 64 * 128 // 32  # N padded to 128
+    floor = ReadFloor(3)
+    floor.prepare(torch.zeros(32, 64), lambda nbytes: 2)
+    assert floor.nbytes == weight_bytes(32, 64, 3) and len(floor.copies) == 2
+    assert all(c.numel() * 4 == -(-floor.nbytes // 16) * 16 for c in floor.copies)
+    assert float(floor.make_call(0, None)()) == float(floor.copies[0].sum())  # CPU: a plain read
 
 
 @pytest.mark.gpu
