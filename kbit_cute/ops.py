@@ -328,9 +328,9 @@ def gemv_splits(N: int, K: int, sm_count: int, m_bucket: int = 1) -> int:
 def gemv_grid(k: int, m_bucket: int, dtype: torch.dtype, N: int, K: int, sm_count: int,
               workers: int | None = None) -> tuple[int, int]:  # fmt: skip
     """(workers, CTAs) of the GEMV variant (k, m bucket, dtype) on a weight [N, K]."""
-    from .kernels.gemv import _DTYPES, GemvKernel
+    from .kernels.gemv import _DTYPES, GemvKernel, gemv_lookup
 
-    kernel = GemvKernel(k, m_bucket, _DTYPES[_GEMV_DTYPES[dtype]])
+    kernel = GemvKernel(k, m_bucket, _DTYPES[_GEMV_DTYPES[dtype]], lookup=gemv_lookup(k, N, K))
     return kernel_grid(kernel, N, K, sm_count, workers)
 
 
@@ -425,11 +425,15 @@ class _GemvPlan:
     per M in 1..8 the launch function (on first use of that M) and stream-K grid, and per
     stream split-K scratch big enough for every M."""
 
-    __slots__ = ("k", "N", "K", "dtype", "words", "codes", "bias_shape", "strips", "grids")
+    __slots__ = ("k", "N", "K", "dtype", "lookup", "words", "codes", "bias_shape", "strips")
+    __slots__ += ("grids",)
     __slots__ += ("ws_elems", "by_m", "scratch")
 
     def __init__(self, k: int, N: int, K: int, dtype: torch.dtype, sm_count: int):
+        from .kernels.gemv import gemv_lookup
+
         self.k, self.N, self.K, self.dtype = k, N, K, dtype
+        self.lookup = gemv_lookup(k, N, K)  # the variant's lookup (None: the default)
         self.words = tiled_sizes(k, N, K)[0]
         self.codes = 1 << k
         self.bias_shape = torch.Size((N,))
@@ -445,7 +449,8 @@ class _GemvPlan:
         got = self.by_m[M]
         if got is None:
             m = _M_BUCKET[M]
-            got = self.by_m[M] = (_gemv_launcher(self.k, m, self.dtype), *self.grids[m])
+            fn = _gemv_launcher(self.k, m, self.dtype, self.lookup)
+            got = self.by_m[M] = (fn, *self.grids[m])
         return got
 
 
@@ -456,17 +461,18 @@ def _ws_elems(workers: int, m_bucket: int) -> int:
 
 # (k, N, K, device, A's dtype) -> plan; made only for CUDA devices and fp16/bf16
 _gemv_plans: dict[tuple[int, int, int, int, torch.dtype], _GemvPlan] = {}
-# (k, m bucket, dtype) -> launch function taking the stream last (compile.stream_launcher)
-_gemv_launchers: dict[tuple[int, int, torch.dtype], object] = {}
+# (k, m bucket, dtype, lookup) -> launch function taking the stream last
+# (compile.stream_launcher)
+_gemv_launchers: dict[tuple[int, int, torch.dtype, str | None], object] = {}
 
 
-def _gemv_launcher(k: int, m_bucket: int, dtype: torch.dtype):
-    fn = _gemv_launchers.get((k, m_bucket, dtype))
+def _gemv_launcher(k: int, m_bucket: int, dtype: torch.dtype, lookup: str | None = None):
+    fn = _gemv_launchers.get((k, m_bucket, dtype, lookup))
     if fn is None:
         from .kernels.gemv import gemv_spec
 
-        fn = stream_launcher(gemv_spec(k, m_bucket, _GEMV_DTYPES[dtype]))
-        _gemv_launchers[(k, m_bucket, dtype)] = fn
+        fn = stream_launcher(gemv_spec(k, m_bucket, _GEMV_DTYPES[dtype], lookup=lookup))
+        _gemv_launchers[(k, m_bucket, dtype, lookup)] = fn
     return fn
 
 

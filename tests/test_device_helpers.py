@@ -47,7 +47,7 @@ _prmt = dh._prmt_host  # host model of prmt.b32, shared with the GEMM's tests
 def _gemv_lookups():
     from kbit_cute.kernels.gemv import GEMV_LOOKUP, LOOKUP, GemvKernel
 
-    names = sorted(set(LOOKUP.values()) | set(GEMV_LOOKUP.values()))
+    names = sorted(set(LOOKUP.values()) | set(GEMV_LOOKUP.values()) | {"pair_table5"})
     return [(k, lk) for k in (2, 3, 4, 5) for lk in names if GemvKernel.lookup_fits(lk, k)]
 
 
@@ -59,14 +59,25 @@ def test_gemv_lookups_give_the_mma_pairs(k, lookup, m, gen):
     second column's fields mirror the first's, and every lookup that serves this k (pair
     shuffle, quad table, byte tables, pair table or single shuffles) returns those
     positions' indices from the fields as the kernel merges them at this M."""
-    from kbit_cute.kernels.gemv import THREAD_K, GemvKernel, _pairs_of
+    from kbit_cute.kernels.gemv import (
+        THREAD_K,
+        GemvKernel,
+        _pairs_of,
+        pair5_high_bytes,
+        pair5_selectors,
+    )
 
     kern = GemvKernel(k, m, None, lookup=lookup)
     W = kern.field_width
     idx = torch.randint(0, 1 << k, (1, 32), generator=gen, dtype=torch.uint8)
     planes = [int(w) & 0xFFFFFFFF for w in fmt.pack_bitplanes(idx, k).tolist()]
     idx = idx[0].tolist()
-    fields = planes_to_fields(planes, k, W, kern.byte_tables, kern.select_widths)  # as traced
+    lane = 5
+    if kern.high_plane:  # planes 0-3 as k = 4; plane 4 into the address
+        fields = planes_to_fields(planes[:4], 4, W, False, kern.select_widths)
+        high = pair5_high_bytes(planes[4], fields, lane * 4 * 0x01010101)
+    else:
+        fields = planes_to_fields(planes, k, W, kern.byte_tables, kern.select_widths)  # as traced
     pairs = _pairs_of(fields, W)
     positions = sorted(e for _, (_, ea), (_, eb) in pairs for e in (ea, eb))
     assert positions == list(range(THREAD_K))
@@ -97,6 +108,15 @@ def test_gemv_lookups_give_the_mma_pairs(k, lookup, m, gen):
                 quad = [codes[(v >> (2 * i)) & 3] for i in range(4)]
                 got = tuple(quad[2 * (fa2 % 4 // 2) : 2 * (fa2 % 4 // 2) + 2])
                 assert fb2 == fa2 + 1
+            elif kern.high_plane:
+                # byte address hb << 16 | fields' byte << 8 | ha << 7 | lane << 2
+                ha_bytes, hb_bytes = high[next(q for q, (w, _) in enumerate(fields) if w is word)]
+                first, second = pair5_selectors(fa2 // 2)
+                addr = _prmt(_prmt(word, ha_bytes, first), hb_bytes, second)
+                assert addr % 128 == lane * 4 and addr < 2 * 65536 and fb2 == fa2 + 1
+                fb_ = (addr >> 8) & 0xFF
+                ha, hb = (addr >> 7) & 1, addr >> 16
+                got = (codes[(fb_ & 15) | ha << 4], codes[(fb_ >> 4) | hb << 4])
             else:
                 got = tuple(codes[(word >> (f * W)) & 31 & ((1 << k) - 1)] for f in (fa2, fb2))
             assert got == (codes[idx[ja]], codes[idx[jb]]), (k, ja, jb)

@@ -155,7 +155,27 @@ def test_gemv_pair_table_option(k, workers, dtype, weights):
     assert not gemv_kernel_check._counters.any(), "split-K counters must be left at zero"
 
 
-@pytest.mark.parametrize("k", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("workers", ["s1", 13])
+@pytest.mark.parametrize("lookup", ["pair_table5", "shuffle"])
+def test_gemv_k5_lookups_on_an_odd_shape(lookup, workers, M, dtype, weights):
+    """k = 5's two lookups (the 128 KB pair table of large weights, the shuffles of small
+    ones; ``gemv.gemv_lookup``) on a shape padded in N and K, with and without split-K."""
+    from perf import gemv_kernel_check
+    from perf.gemv_kernel_check import run_gemv
+
+    K, N = 1056, 1000
+    qw = weights[(K, N, 5)]
+    A = torch.randn(M, K, device="cuda", dtype=dtype)
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+    run_gemv(A, qw, out, workers, None, lookup)
+    assert not torch.isnan(out).any()
+    assert rel_err(out, reference(A, qw)) < TOL[dtype]
+    assert not gemv_kernel_check._counters.any(), "split-K counters must be left at zero"
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
 def test_gemv_table_follows_the_codebook_the_kernel_before_wrote(k):
     """A codebook rewritten by the kernel just before, on the same stream: another GEMV
     whose output is this weight's codebook (bf16 pairs read as fp32), new values every
@@ -165,7 +185,8 @@ def test_gemv_table_follows_the_codebook_the_kernel_before_wrote(k):
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"seed={seed}")
     g = torch.Generator(device="cuda").manual_seed(seed)
-    K2, N2, K1 = 2048, 1000, 256
+    # (k = 5: a weight large enough for its table, ``gemv.SMALL_WEIGHT``)
+    K2, N2, K1 = 2048, 4104 if k == 5 else 1000, 256
     qw2 = kbit_cute.quantize(torch.randn(N2, K2, device="cuda", generator=g) * 0.05, k)
     A2 = torch.randn(3, K2, device="cuda", dtype=torch.bfloat16, generator=g)
     kbit_cute.gemm(A2, qw2)  # plan and load the variant

@@ -231,8 +231,8 @@ def fake_gpu(monkeypatch):
             return fake(torch.full((n * dtype.itemsize,), fill_byte, dtype=torch.uint8).view(dtype))
         return fake(torch.full((n,), -7, dtype=dtype))
 
-    def launcher(k, m_bucket, dtype):
-        spec = gemv_spec(k, m_bucket, ops._GEMV_DTYPES[dtype])
+    def launcher(k, m_bucket, dtype, lookup=None):
+        spec = gemv_spec(k, m_bucket, ops._GEMV_DTYPES[dtype], lookup=lookup)
         params = kc.kernel_params(spec)
         return kc.make_launch("stub", params, lambda *a: calls.append(a), stream_arg=True)
 
@@ -279,6 +279,21 @@ def test_cuda_dispatch_passes_the_kernel_arguments_in_order(M, bias, fake_gpu, g
         assert (state.slots.view(torch.int32) == -1).all()  # EMPTY_SLOT: what the owner polls
         assert state.counters.numel() >= N // 32 and not state.counters.any()
     assert list(ops._gemv_plans) == [(k, N, K, 7, dtype)]
+
+
+def test_k5_plans_take_the_lookup_of_their_weight_size(fake_gpu, gen):
+    """k = 5: weights of at least ``SMALL_WEIGHT`` elements get the 128 KB pair table (5
+    quads per CTA), smaller ones the shuffles (7 quads); the plan's grid is its variant's."""
+    from kbit_cute.kernels.gemv import SMALL_WEIGHT, GemvKernel, gemv_lookup
+
+    for N, K, lookup, quads in ((2048, 4096, None, 5), (2048, 2048, "shuffle", 7)):
+        assert (N * K >= SMALL_WEIGHT) == (lookup is None)
+        w = fake_weight(gen, N, K, 5, torch.float16)
+        kbit_cute.gemm(fake(torch.randn(1, K, generator=gen).half()), w)
+        plan = ops._gemv_plans[(5, N, K, 7, torch.float16)]
+        assert plan.lookup == gemv_lookup(5, N, K) == lookup
+        assert GemvKernel(5, 1, None, lookup=lookup).quads == quads
+        assert plan.entry(1)[1:] == ops.gemv_grid(5, 1, torch.float16, N, K, 132)
 
 
 def test_hot_path_keeps_every_check(fake_gpu, gen):

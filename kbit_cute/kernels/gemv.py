@@ -63,6 +63,7 @@ from .device_helpers import (
     SPLIT_FACTOR,
     absmax_pair_f32,
     absmax_x2,
+    bit_select,
     bits_to_f32,
     byte_pair_selector,
     byte_table_lookup,
@@ -108,16 +109,34 @@ STAGES = {2: 3, 3: 3, 4: 3, 5: 3}
 # Lookups in registers (what a CTA of one quad uses, e.g. the grouped MoE kernel) and the
 # GEMV's defaults: the shared-memory pair table wherever it serves k (see GemvKernel).
 LOOKUP = {2: "pair_shuffle", 3: "byte_tables", 4: "shuffle", 5: "shuffle"}
-GEMV_LOOKUP = {2: "quad_table", 3: "pair_table", 4: "pair_table", 5: "shuffle"}
+GEMV_LOOKUP = {2: "quad_table", 3: "pair_table", 4: "pair_table", 5: "pair_table5"}
+GEMV_LOOKUP_SM80 = {**GEMV_LOOKUP, 5: "shuffle"}
+# Weights under SMALL_WEIGHT elements take these lookups instead (``gemv_lookup``): k = 5's
+# 128 KB table costs more to fill than it saves on a short call (session 27, M = 1 / 2 / 4,
+# us, pair_table5 / shuffles: 2048x2048 4.02 / 4.18, 4.45 / 4.13, 4.59 / 4.39; 2048x512 3.30
+# / 3.06; 4096x2048 5.40 / 5.67, 5.95 / 5.88, 5.99 / 6.35).
+SMALL_WEIGHT = 1 << 23
+SMALL_WEIGHT_LOOKUP = {5: "shuffle"}
 # Shared-memory tables indexed by one byte of index fields, one copy per lane so that a
 # warp's 32 loads hit distinct banks; a prmt builds the byte address row * 256 + lane copy
 # from the fields' byte and the lane's byte. Pair table (k = 3, 4): row p = the pair
 # (codebook[p & 15], codebook[p >> 4]), 4 bytes per lane (half of each row unused). Quad
 # table (k = 2): row p = the two pairs of four 2-bit indices, 8 bytes per lane: one 8-byte
 # load per 4 weights instead of one 4-byte load per 2.
+# Pair table for k = 5 ("pair_table5"): a pair's two 5-bit indices are its 4-bit fields'
+# byte (from planes 0-3, as k = 4) and the two fifth bits ha, hb (plane 4), which pick one of
+# four 64 KB-halves: byte address hb << 16 | fields' byte << 8 | ha << 7 | lane << 2. 128 KB
+# with a copy per lane (conflict-free): one shared-memory wavefront per pair where two
+# shuffles took two, and 280 instead of 354 instructions per K tile (M = 1). 8192x28672
+# M = 1 63.0 -> 57.4 us, 4096x14336 21.4 -> 17.8, 14336x4096 19.5 -> 16.6 (session 27).
 TABLE_ROW = 256
 TABLE_BYTES = 256 * TABLE_ROW
-TABLE_ENTRY_BYTES = {"pair_table": 4, "quad_table": 8}
+TABLE_ENTRY_BYTES = {"pair_table": 4, "quad_table": 8, "pair_table5": 4}
+TABLE_BYTES_OF = {
+    "pair_table": TABLE_BYTES,
+    "quad_table": TABLE_BYTES,
+    "pair_table5": 2 * TABLE_BYTES,
+}
 CHUNK_WORDS = 4  # one cp.async moves 16 bytes
 # Partials a lane loads per round of the split-K reduction (``reduce_strip``): each round is
 # an L2 round trip, so rows x workers per round as large as registers allow.
@@ -209,7 +228,9 @@ class GemvKernel:
         #        fields are its lane index);
         # k = 3: byte-select tables, scaled per block, four lookups per two prmt;
         # k >= 4: one shuffle per weight, two merged into a pair with one prmt.
-        self.lookup = lookup or GEMV_LOOKUP[k]
+        # (sm_80: k = 5's 128 KB table would leave an SM one quad of warps)
+        family_lookup = GEMV_LOOKUP_SM80 if target_arch_family() == "sm_80" else GEMV_LOOKUP
+        self.lookup = lookup or family_lookup[k]
         if not GemvKernel.lookup_fits(self.lookup, k):
             raise ValueError(f"GEMV lookup {self.lookup!r} does not serve k={k}")
         self.byte_tables = self.lookup == "byte_tables"
@@ -218,11 +239,20 @@ class GemvKernel:
         # shapes). Not taken: k = 2 (its quads cost two multiplies per shared-memory load:
         # 10 instructions more), k = 5 and M = 2..4 (no faster; M = 4 k = 3, 5 2-3% slower),
         # sm_80 (k = 3 spilled at its 72-register bound).
-        self.split_blocks = m == 1 and k in (3, 4) and target_arch_family() == "sm_90"
+        self.split_blocks = (
+            m == 1 and (k in (3, 4) or self.lookup == "pair_table5")
+            and target_arch_family() == "sm_90"
+        )  # fmt: skip
         self.table = self.lookup in TABLE_ENTRY_BYTES  # a shared-memory table per CTA
+        self.table_bytes = TABLE_BYTES_OF.get(self.lookup, 0)
+        # pair_table5 merges planes 0-3 as k = 4 does (4-bit fields); plane 4 goes into the
+        # table address (``high_bit_bytes``).
+        self.high_plane = self.lookup == "pair_table5"
+        merged_k = 4 if self.high_plane else k
         min_width = {"byte_tables": 4, "pair_table": 4, "quad_table": 2}.get(self.lookup, 1)
-        self.field_width = field_bits(k, min_width)
-        self.select_widths = (self.SELECT_WIDTHS_WIDE_M if m >= 4 else self.SELECT_WIDTHS)[k]
+        self.field_width = field_bits(merged_k, min_width)
+        widths = self.SELECT_WIDTHS_WIDE_M if m >= 4 else self.SELECT_WIDTHS
+        self.select_widths = widths[merged_k]
         # Workers (quads of 4 column warps) per CTA. The 64 KB pair table is shared by as
         # many quads as the shared memory of an SM holds besides it, up to 7 (at 8, 64
         # registers, it spilled). Register lookups (k = 5) on sm_90: 7 quads as well, one CTA
@@ -233,7 +263,7 @@ class GemvKernel:
             quads = 1
             if self.table:
                 ring = 4 * self.stage_words() * self.stages * WARPS
-                room = smem_per_sm() - TABLE_BYTES - 1024 - extra_smem
+                room = smem_per_sm() - self.table_bytes - 1024 - extra_smem
                 quads = max(1, min(self.MAX_QUADS, room // ring))
             elif target_arch_family() == "sm_90":
                 quads = self.REGISTER_LOOKUP_QUADS
@@ -254,7 +284,7 @@ class GemvKernel:
             self.bound_regs = k != 2
         # + the reserved 1 KB
         smem = 4 * self.stage_words() * self.stages * self.warps + 1024 + extra_smem
-        smem += TABLE_BYTES if self.table else 0
+        smem += self.table_bytes
         if smem > smem_per_sm():
             raise ValueError(
                 f"GEMV k={k} m={m} {self.lookup} with {quads} quads needs {smem} bytes of "
@@ -274,8 +304,11 @@ class GemvKernel:
         """Whether a lookup serves k: a pair shuffle needs 2-bit fields, byte tables <= 8
         entries, the pair table two fields per byte (k <= 4); shuffles serve every k."""
         limits = {
-            "pair_shuffle": 2, "quad_table": 2, "byte_tables": 3, "pair_table": 4, "shuffle": 5
+            "pair_shuffle": 2, "quad_table": 2, "byte_tables": 3, "pair_table": 4, "shuffle": 5,
+            "pair_table5": 5,
         }  # fmt: skip
+        if lookup == "pair_table5":
+            return k == 5  # (its address takes exactly one plane past the fields)
         return lookup in limits and k <= limits[lookup]
 
     @staticmethod
@@ -479,7 +512,7 @@ class GemvKernel:
         frag_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((MMA_N, MMA_K)))
         if cutlass.const_expr(self.table):
             table = smem.allocate_tensor(
-                Uint32, cute.make_layout(TABLE_BYTES // 4), byte_alignment=1024
+                Uint32, cute.make_layout(self.table_bytes // 4), byte_alignment=1024
             )
         ring = smem.allocate_tensor(
             Int32,
@@ -509,15 +542,19 @@ class GemvKernel:
         slices (2 or 4 lanes' copies of a row)."""
         tidx, _, _ = cute.arch.thread_idx()
         entry_bytes = TABLE_ENTRY_BYTES[self.lookup]
-        self.fill_table(table, cb_lane, tidx, entry_bytes * 32 // 16)
+        self.fill_table(
+            table, cb_lane, tidx, TABLE_ROW // 16 if self.high_plane else entry_bytes * 2
+        )
         cute.arch.sync_threads()
         lane_offset = Uint32((tidx % 32) * entry_bytes)
+        if cutlass.const_expr(self.high_plane):
+            lane_offset = lane_offset * Uint32(0x01010101)  # in every byte (``pair5_high_bytes``)
         return cute.recast_ptr(table.iterator, dtype=cutlass.Uint8), lane_offset
 
     @cute.jit
     def fill_table(self, table, cb_lane, tidx, slices: cutlass.Constexpr):
         """Each thread fills 16-byte slices of the table's rows (``slices`` per row)."""
-        chunks = 256 * slices
+        chunks = self.table_bytes // TABLE_ROW * slices
         for i in cutlass.range_constexpr(-(-chunks // self.threads)):
             chunk = tidx + i * self.threads
             if chunk < chunks:  # warp-uniform: the shuffles below see all 32 lanes
@@ -538,6 +575,12 @@ class GemvKernel:
                     for j in cutlass.range_constexpr(2):
                         four[2 * j] = lo
                         four[2 * j + 1] = hi
+                elif cutlass.const_expr(self.high_plane):
+                    # row p = hb << 8 | fields' byte; slice = ha << 3 | lane >> 2
+                    s32 = Uint32(sl)
+                    lo = codebook_lookup_x2(cb_lane, (p32 & Uint32(15)) | ((s32 >> 3) << 4))
+                    hi = codebook_lookup_x2(cb_lane, ((p32 >> 4) & Uint32(15)) | ((p32 >> 8) << 4))
+                    four.fill(prmt(lo, hi, 0x5410))
                 else:
                     lo = codebook_lookup_x2(cb_lane, p32 & Uint32(15))
                     hi = codebook_lookup_x2(cb_lane, p32 >> 4)
@@ -796,7 +839,11 @@ class GemvKernel:
             planes = [
                 prmt(Uint32(rW[b, 2 * r]), Uint32(rW[b, 2 * r + 1]), half_select) for b in range(k)
             ]
-            fields = planes_to_fields(planes, k, W, self.byte_tables, self.select_widths)
+            if cutlass.const_expr(self.high_plane):
+                fields = planes_to_fields(planes[:4], 4, W, False, self.select_widths)
+                high = pair5_high_bytes(planes[4], fields, codebook[1])
+            else:
+                fields = planes_to_fields(planes, k, W, self.byte_tables, self.select_widths)
             pairs = _pairs_of(fields, W)  # [(word, (field, element) x 2)] per mma register
             if b_pairs is None:  # the activation pairs serve every row tile
                 b_pairs = [self.activation_pair(act, ea, eb) for _, (_, ea), (_, eb) in pairs]
@@ -816,8 +863,11 @@ class GemvKernel:
                     elif self.byte_tables:
                         w_pairs[half][p] = self.lookup_pair(tables, word, fa2, fb2)
                     else:
+                        hb = None
+                        if cutlass.const_expr(self.high_plane):
+                            hb = high[next(q for q, (w, _) in enumerate(fields) if w is word)]
                         w_pairs[half][p] = self.scaled(
-                            self.lookup_pair(codebook, word, fa2, fb2), scale
+                            self.lookup_pair(codebook, word, fa2, fb2, hb), scale
                         )
             if cutlass.const_expr(self.split_blocks):
                 mma_acc = buf[3][r]
@@ -845,8 +895,9 @@ class GemvKernel:
         the scale comes after the mma)."""
         return pair if self.split_blocks else mul_x2(pair, scale, self.dtype)
 
-    def lookup_pair(self, codebook, word, fa: int, fb: int):
-        """Codebook values of fields fa and fb of ``word`` as one 16-bit pair (fa low)."""
+    def lookup_pair(self, codebook, word, fa: int, fb: int, high=None):
+        """Codebook values of fields fa and fb of ``word`` as one 16-bit pair (fa low);
+        ``high``: the word's ``pair5_high_bytes`` (pair_table5)."""
         W = self.field_width
         if self.byte_tables:
             # Four 4-bit fields per lookup: nibbles 0-3 or (shifted down) 4-7.
@@ -854,6 +905,14 @@ class GemvKernel:
             sel = word if quad == 0 else word >> 16
             lo, hi = byte_table_lookup(codebook, sel)
             return prmt(lo, hi, byte_pair_selector(fa % 4, fb % 4))
+        elif self.high_plane:
+            assert fb == fa + 1 and fa % 2 == 0
+            table, _ = codebook
+            ha_bytes, hb_bytes = high
+            first, second = pair5_selectors(fa // 2)
+            addr = prmt(prmt(word, ha_bytes, first), hb_bytes, second)
+            entry = cute.recast_ptr(table + cute.assume(Int32(addr), divby=4), dtype=Uint32)
+            return cute.make_tensor(entry, cute.make_layout(1))[0]
         elif self.lookup == "pair_table":
             assert fb == fa + 1 and fa % 2 == 0  # one byte: a 256-entry pair index
             table, lane_offset = codebook
@@ -1134,6 +1193,32 @@ class GemvKernel:
             mOut[m, n] = self.dtype(r)
 
 
+def pair5_high_bytes(plane4, fields, lane_bytes) -> list:
+    """pair_table5: per word of ``fields`` (4-bit fields of planes 0-3), the two registers
+    whose bytes carry its pairs' fifth bits into the table address: (byte i = lane << 2 |
+    ha << 7, byte i = hb), ha / hb the fifth bits of the pair in the word's byte i
+    (``plane4``: bit e = bit 4 of element e's index). A word's field f holds element 4 f + r,
+    so byte i's pair has both bits in plane4's byte i (bits r, r + 4): one shift and one mask
+    each, shared by the word's four pairs. ``lane_bytes``: lane << 2 in every byte. Traced
+    values and host ints alike."""
+    out = []
+    for _, elems in fields:
+        r = elems[0]
+        assert all(e == 4 * f + r for f, e in enumerate(elems)), elems
+        ha_bytes = bit_select(0x80808080, plane4 << (7 - r), lane_bytes)
+        hb_bytes = (plane4 >> (4 + r)) & 0x01010101
+        out.append((ha_bytes, hb_bytes))
+    return out
+
+
+def pair5_selectors(i: int) -> tuple[int, int]:
+    """pair_table5: the two prmt selectors that make the address of the pair in byte i of a
+    fields word: prmt(word, ha_bytes) puts lane << 2 | ha << 7 in byte 0 and the fields'
+    byte in byte 1; prmt(that, hb_bytes) adds hb as byte 2 and a zero byte 3 (hb's byte
+    sign-replicated: its top bit is 0)."""
+    return i << 4 | (4 + i), (8 | (4 + i)) << 12 | (4 + i) << 8 | 0x10
+
+
 def _pairs_of(fields, width: int):
     """Pair the thread's K positions for the mma registers, as the SWAR fields lie.
 
@@ -1182,5 +1267,16 @@ def gemv_spec(
     return KernelSpec(f"gemv_k{k}_m{m}_{dtype}{suffix}", build, expect=("LDGSTS", "HMMA"))
 
 
+def gemv_lookup(k: int, N: int, K: int) -> str | None:
+    """The lookup of the GEMV variant for a weight [N, K]: None (``GEMV_LOOKUP``) or, for a
+    weight under ``SMALL_WEIGHT`` elements, ``SMALL_WEIGHT_LOOKUP``'s."""
+    return SMALL_WEIGHT_LOOKUP.get(k) if N * K < SMALL_WEIGHT else None
+
+
 def specs():
-    return [gemv_spec(k, m, d) for k in (2, 3, 4, 5) for m in M_BUCKETS for d in _DTYPES]
+    return [gemv_spec(k, m, d) for k in (2, 3, 4, 5) for m in M_BUCKETS for d in _DTYPES] + [
+        gemv_spec(k, m, d, lookup=lk)
+        for k, lk in SMALL_WEIGHT_LOOKUP.items()
+        for m in M_BUCKETS
+        for d in _DTYPES
+    ]

@@ -540,7 +540,11 @@ class GroupedStreamKernel(GemvKernel):
     def __init__(self, k: int, dtype: type[cutlass.Numeric], gate_up: bool, stages=None):
         # Quads per CTA: at most 6 (80 registers); k = 2, 3 spilled there: 5 (96).
         self.MAX_QUADS = 6 if k >= 4 else 5
-        super().__init__(k, ROWS_PER_PASS, dtype, stages, extra_smem=8 * MAX_SLOTS + 64)
+        # (k = 5: register lookups, as measured here; the GEMV's 128 KB pair_table5 is not)
+        lookup = LOOKUP[k] if k == 5 else None
+        super().__init__(
+            k, ROWS_PER_PASS, dtype, stages, lookup=lookup, extra_smem=8 * MAX_SLOTS + 64
+        )
         self.gate_up = gate_up
 
     @cute.jit
