@@ -328,10 +328,27 @@ def gemv_splits(N: int, K: int, sm_count: int, m_bucket: int = 1) -> int:
 def gemv_grid(k: int, m_bucket: int, dtype: torch.dtype, N: int, K: int, sm_count: int,
               workers: int | None = None) -> tuple[int, int]:  # fmt: skip
     """(workers, CTAs) of the GEMV variant (k, m bucket, dtype) on a weight [N, K]."""
-    from .kernels.gemv import _DTYPES, GemvKernel, gemv_lookup
+    from .kernels.gemv import _DTYPES, GemvKernel
 
-    kernel = GemvKernel(k, m_bucket, _DTYPES[_GEMV_DTYPES[dtype]], lookup=gemv_lookup(k, N, K))
+    lookup, stages = gemv_variant(k, m_bucket, N, K, sm_count)
+    kernel = GemvKernel(k, m_bucket, _DTYPES[_GEMV_DTYPES[dtype]], stages, lookup)
     return kernel_grid(kernel, N, K, sm_count, workers)
+
+
+def gemv_variant(k: int, m_bucket: int, N: int, K: int, sm_count: int):
+    """(lookup, stages) of the GEMV variant for a weight [N, K] at rows bucket m (None: the
+    kernel's default): the lookup by the weight's size (``gemv.gemv_lookup``); k = 5's table
+    kernel at m <= 2 with a shallower ring (``gemv.MORE_QUADS_STAGES``: 7 quads per CTA, not
+    5) where the split rule wants more workers than its 5-quad CTAs hold."""
+    from .kernels.gemv import MORE_QUADS_STAGES, GemvKernel, gemv_lookup
+
+    lookup = gemv_lookup(k, N, K)
+    kernel = GemvKernel(k, m_bucket, None, lookup=lookup)
+    if kernel.high_plane and m_bucket <= 2 and k in MORE_QUADS_STAGES:
+        want = -(-N // 128) * gemv_splits(N, K, sm_count, m_bucket)
+        if want > sm_count * kernel.ctas_per_sm * kernel.quads:
+            return lookup, MORE_QUADS_STAGES[k]
+    return lookup, None
 
 
 # ``kernel_grid`` takes the fewest (full) CTAs where they fill at least this share of the slots.
@@ -425,21 +442,21 @@ class _GemvPlan:
     per M in 1..8 the launch function (on first use of that M) and stream-K grid, and per
     stream split-K scratch big enough for every M."""
 
-    __slots__ = ("k", "N", "K", "dtype", "lookup", "words", "codes", "bias_shape", "strips")
+    __slots__ = ("k", "N", "K", "dtype", "variants", "words", "codes", "bias_shape", "strips")
     __slots__ += ("grids",)
     __slots__ += ("ws_elems", "by_m", "scratch")
 
     def __init__(self, k: int, N: int, K: int, dtype: torch.dtype, sm_count: int):
-        from .kernels.gemv import gemv_lookup
-
         self.k, self.N, self.K, self.dtype = k, N, K, dtype
-        self.lookup = gemv_lookup(k, N, K)  # the variant's lookup (None: the default)
+        buckets = set(_M_BUCKET[1:])
+        # (lookup, stages) per rows bucket (None: the kernel's defaults)
+        self.variants = {m: gemv_variant(k, m, N, K, sm_count) for m in buckets}
         self.words = tiled_sizes(k, N, K)[0]
         self.codes = 1 << k
         self.bias_shape = torch.Size((N,))
         self.strips = -(-N // 128) * 4  # split-K counters: one per 32-column strip
         # (workers, ctas) per rows bucket
-        self.grids = {m: gemv_grid(k, m, dtype, N, K, sm_count) for m in set(_M_BUCKET[1:])}
+        self.grids = {m: gemv_grid(k, m, dtype, N, K, sm_count) for m in buckets}
         self.ws_elems = max(_ws_elems(w, m) for m, (w, _) in self.grids.items())
         self.by_m: list[tuple[object, int, int] | None] = [None] * (GEMV_MAX_M + 1)
         self.scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -449,7 +466,7 @@ class _GemvPlan:
         got = self.by_m[M]
         if got is None:
             m = _M_BUCKET[M]
-            fn = _gemv_launcher(self.k, m, self.dtype, self.lookup)
+            fn = _gemv_launcher(self.k, m, self.dtype, *self.variants[m])
             got = self.by_m[M] = (fn, *self.grids[m])
         return got
 
@@ -461,18 +478,19 @@ def _ws_elems(workers: int, m_bucket: int) -> int:
 
 # (k, N, K, device, A's dtype) -> plan; made only for CUDA devices and fp16/bf16
 _gemv_plans: dict[tuple[int, int, int, int, torch.dtype], _GemvPlan] = {}
-# (k, m bucket, dtype, lookup) -> launch function taking the stream last
+# (k, m bucket, dtype, lookup, stages) -> launch function taking the stream last
 # (compile.stream_launcher)
-_gemv_launchers: dict[tuple[int, int, torch.dtype, str | None], object] = {}
+_gemv_launchers: dict[tuple, object] = {}
 
 
-def _gemv_launcher(k: int, m_bucket: int, dtype: torch.dtype, lookup: str | None = None):
-    fn = _gemv_launchers.get((k, m_bucket, dtype, lookup))
+def _gemv_launcher(k: int, m_bucket: int, dtype: torch.dtype, lookup=None, stages=None):
+    key = (k, m_bucket, dtype, lookup, stages)
+    fn = _gemv_launchers.get(key)
     if fn is None:
         from .kernels.gemv import gemv_spec
 
-        fn = stream_launcher(gemv_spec(k, m_bucket, _GEMV_DTYPES[dtype], lookup=lookup))
-        _gemv_launchers[(k, m_bucket, dtype, lookup)] = fn
+        fn = stream_launcher(gemv_spec(k, m_bucket, _GEMV_DTYPES[dtype], stages, lookup))
+        _gemv_launchers[key] = fn
     return fn
 
 

@@ -98,13 +98,13 @@ def install_mock(K: int, N: int, k: int, dtype: torch.dtype, sm_count: int = 132
     (a plan for it, the current device and stream stubbed, CPU scratch, a stub FFI).
     Returns (A, qw, KbitLinear, launch function)."""
     from kbit_cute import device as kdev
-    from kbit_cute.kernels.gemv import gemv_lookup, gemv_spec
+    from kbit_cute.kernels.gemv import gemv_spec
 
-    lookup = gemv_lookup(k, N, K)
-    spec = gemv_spec(k, 1, "f16" if dtype == torch.float16 else "bf16", lookup=lookup)
+    lookup, stages = ops.gemv_variant(k, 1, N, K, sm_count)
+    spec = gemv_spec(k, 1, "f16" if dtype == torch.float16 else "bf16", stages, lookup)
     params = kc.kernel_params(spec)
     stub = kc.make_launch(spec.name, params, lambda *a: None, stream_arg=True)
-    ops._gemv_launchers[(k, 1, dtype, lookup)] = stub
+    ops._gemv_launchers[(k, 1, dtype, lookup, stages)] = stub
     ops._current_device = lambda: -1
     ops._raw_stream = lambda dev: 0
     kdev.scratch_tensor = lambda index, n, dt, fill_byte=None: torch.zeros(n, dtype=dt)

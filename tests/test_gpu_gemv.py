@@ -158,10 +158,13 @@ def test_gemv_pair_table_option(k, workers, dtype, weights):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("M", [1, 3, 8])
 @pytest.mark.parametrize("workers", ["s1", 13])
-@pytest.mark.parametrize("lookup", ["pair_table5", "shuffle"])
-def test_gemv_k5_lookups_on_an_odd_shape(lookup, workers, M, dtype, weights):
-    """k = 5's two lookups (the 128 KB pair table of large weights, the shuffles of small
-    ones; ``gemv.gemv_lookup``) on a shape padded in N and K, with and without split-K."""
+@pytest.mark.parametrize(
+    "lookup, stages", [("pair_table5", None), ("pair_table5", 2), ("shuffle", None)]
+)
+def test_gemv_k5_variants_on_an_odd_shape(lookup, stages, workers, M, dtype, weights):
+    """k = 5's variants (``ops.gemv_variant``: the 128 KB pair table of large weights with a
+    3- or 2-stage ring, the shuffles of small ones) on a shape padded in N and K, with and
+    without split-K."""
     from perf import gemv_kernel_check
     from perf.gemv_kernel_check import run_gemv
 
@@ -169,7 +172,7 @@ def test_gemv_k5_lookups_on_an_odd_shape(lookup, workers, M, dtype, weights):
     qw = weights[(K, N, 5)]
     A = torch.randn(M, K, device="cuda", dtype=dtype)
     out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
-    run_gemv(A, qw, out, workers, None, lookup)
+    run_gemv(A, qw, out, workers, stages, lookup)
     assert not torch.isnan(out).any()
     assert rel_err(out, reference(A, qw)) < TOL[dtype]
     assert not gemv_kernel_check._counters.any(), "split-K counters must be left at zero"

@@ -231,8 +231,8 @@ def fake_gpu(monkeypatch):
             return fake(torch.full((n * dtype.itemsize,), fill_byte, dtype=torch.uint8).view(dtype))
         return fake(torch.full((n,), -7, dtype=dtype))
 
-    def launcher(k, m_bucket, dtype, lookup=None):
-        spec = gemv_spec(k, m_bucket, ops._GEMV_DTYPES[dtype], lookup=lookup)
+    def launcher(k, m_bucket, dtype, lookup=None, stages=None):
+        spec = gemv_spec(k, m_bucket, ops._GEMV_DTYPES[dtype], stages, lookup)
         params = kc.kernel_params(spec)
         return kc.make_launch("stub", params, lambda *a: calls.append(a), stream_arg=True)
 
@@ -281,19 +281,32 @@ def test_cuda_dispatch_passes_the_kernel_arguments_in_order(M, bias, fake_gpu, g
     assert list(ops._gemv_plans) == [(k, N, K, 7, dtype)]
 
 
-def test_k5_plans_take_the_lookup_of_their_weight_size(fake_gpu, gen):
-    """k = 5: weights of at least ``SMALL_WEIGHT`` elements get the 128 KB pair table (5
-    quads per CTA), smaller ones the shuffles (7 quads); the plan's grid is its variant's."""
-    from kbit_cute.kernels.gemv import SMALL_WEIGHT, GemvKernel, gemv_lookup
+@pytest.mark.parametrize(
+    "N, K, M, variant, quads",
+    [
+        (2048, 4096, 1, (None, None), 5),  # the 128 KB table, 3 stages: 5 quads per CTA
+        (2048, 2048, 1, ("shuffle", None), 7),  # under SMALL_WEIGHT: shuffles
+        (28672, 8192, 1, (None, 2), 7),  # 224 x 4 workers wanted: 2 stages, 7 quads
+        (28672, 8192, 2, (None, 2), 7),
+        (28672, 8192, 4, (None, None), 4),  # M = 4 keeps 3 stages (measured)
+    ],
+)
+def test_k5_plans_take_the_variant_of_their_weight(N, K, M, variant, quads, fake_gpu, gen):
+    """k = 5 (``ops.gemv_variant``): weights of at least ``SMALL_WEIGHT`` elements get the
+    128 KB pair table, smaller ones the shuffles; at M <= 2 a weight whose split-K workers
+    overflow 5-quad CTAs a 2-stage ring (7 quads). The plan launches that variant with its
+    grid."""
+    from kbit_cute.kernels.gemv import SMALL_WEIGHT, GemvKernel
 
-    for N, K, lookup, quads in ((2048, 4096, None, 5), (2048, 2048, "shuffle", 7)):
-        assert (N * K >= SMALL_WEIGHT) == (lookup is None)
-        w = fake_weight(gen, N, K, 5, torch.float16)
-        kbit_cute.gemm(fake(torch.randn(1, K, generator=gen).half()), w)
-        plan = ops._gemv_plans[(5, N, K, 7, torch.float16)]
-        assert plan.lookup == gemv_lookup(5, N, K) == lookup
-        assert GemvKernel(5, 1, None, lookup=lookup).quads == quads
-        assert plan.entry(1)[1:] == ops.gemv_grid(5, 1, torch.float16, N, K, 132)
+    assert (N * K >= SMALL_WEIGHT) == (variant[0] is None)
+    w = fake_weight(gen, N, K, 5, torch.float16)
+    kbit_cute.gemm(fake(torch.randn(M, K, generator=gen).half()), w)
+    plan = ops._gemv_plans[(5, N, K, 7, torch.float16)]
+    m = {1: 1, 2: 2, 4: 4}[M]
+    assert plan.variants[m] == ops.gemv_variant(5, m, N, K, 132) == variant
+    lookup, stages = variant
+    assert GemvKernel(5, m, None, stages, lookup).quads == quads
+    assert plan.entry(M)[1:] == ops.gemv_grid(5, m, torch.float16, N, K, 132)
 
 
 def test_hot_path_keeps_every_check(fake_gpu, gen):

@@ -117,6 +117,11 @@ GEMV_LOOKUP_SM80 = {**GEMV_LOOKUP, 5: "shuffle"}
 # / 3.06; 4096x2048 5.40 / 5.67, 5.95 / 5.88, 5.99 / 6.35).
 SMALL_WEIGHT = 1 << 23
 SMALL_WEIGHT_LOOKUP = {5: "shuffle"}
+# A ring of this depth fits 7 quads per CTA beside k = 5's 128 KB table (3 stages fit 5): what
+# ``ops.gemv_variant`` takes at M <= 2 where the split rule wants more workers than 5-quad
+# CTAs hold (8192x28672 M = 1 / 2: 57.4 -> 55.4 / 57.5 -> 55.6 us; M = 4 and the shapes whose
+# workers fit are faster with 3 stages: 4096x14336 17.8 against 19.0, session 27).
+MORE_QUADS_STAGES = {5: 2}
 # Shared-memory tables indexed by one byte of index fields, one copy per lane so that a
 # warp's 32 loads hit distinct banks; a prmt builds the byte address row * 256 + lane copy
 # from the fields' byte and the lane's byte. Pair table (k = 3, 4): row p = the pair
@@ -1274,9 +1279,18 @@ def gemv_lookup(k: int, N: int, K: int) -> str | None:
 
 
 def specs():
-    return [gemv_spec(k, m, d) for k in (2, 3, 4, 5) for m in M_BUCKETS for d in _DTYPES] + [
-        gemv_spec(k, m, d, lookup=lk)
-        for k, lk in SMALL_WEIGHT_LOOKUP.items()
-        for m in M_BUCKETS
-        for d in _DTYPES
-    ]
+    return (
+        [gemv_spec(k, m, d) for k in (2, 3, 4, 5) for m in M_BUCKETS for d in _DTYPES]
+        + [
+            gemv_spec(k, m, d, lookup=lk)
+            for k, lk in SMALL_WEIGHT_LOOKUP.items()
+            for m in M_BUCKETS
+            for d in _DTYPES
+        ]
+        + [
+            gemv_spec(k, m, d, st)
+            for k, st in MORE_QUADS_STAGES.items()
+            for m in (1, 2)
+            for d in _DTYPES
+        ]
+    )
