@@ -16,10 +16,12 @@ more than M = 1. What is left per weight is the dequantization into fp16/bf16 pa
 * indices become values two at a time: for k = 3, 4 by one shared-memory load from a
   256-entry table of pairs (a copy per lane, so no bank conflicts; its address one
   ``prmt``), for k = 2 four at a time from a table of quads (one 8-byte load), for k = 5
-  by warp shuffles from a table in registers (register lookups also serve k <= 4 in
-  single-quad CTAs, e.g. the grouped MoE kernel), times the block's absmax (one 2-wide
-  multiply; the E4M4 byte becomes a half2 scale with one IMAD, ``absmax_x2``). At M = 1,
-  k = 3, 4 the scale comes after the mma instead: its activation columns 2 m + b hold row m
+  from a 128 KB pair table whose address also takes the indices' fifth bits (two ``prmt``;
+  ``pair5_high_bytes``), or by warp shuffles from a table in registers (small k = 5
+  weights, sm_80; register lookups also serve k <= 4 in single-quad CTAs, e.g. the grouped
+  MoE kernel), times the block's absmax (one 2-wide multiply; the E4M4 byte becomes a
+  half2 scale with one IMAD, ``absmax_x2``). At M = 1, k = 3..5 (table lookups) the scale
+  comes after the mma instead: its activation columns 2 m + b hold row m
   masked to block b, and each tile's results are folded with fp32 block scales
   (``split_blocks``);
 * mma.sync pairs K positions to registers in a fixed pattern; since the dot product does
@@ -228,7 +230,12 @@ class GemvKernel:
         #   from a 256-entry table of pairs, its address one prmt from the byte that holds
         #   the pair's two 4-bit fields; 64 KB shared by the quads of a CTA (up to 7: 28
         #   warps per SM). k = 4: 223 instead of ~300 instructions per K tile.
-        # Register lookups (k = 5, and CTAs of one quad such as the grouped kernel's):
+        # "pair_table5" (the default for k = 5 on sm_90): the pair table over the two 4-bit
+        #   fields of planes 0-3, the fifth bits picking one of four sub-tables (128 KB,
+        #   ``pair5_high_bytes``): 280 instead of 354 instructions per K tile, half the
+        #   shared-memory wavefronts of the shuffles.
+        # Register lookups (small k = 5 weights, and CTAs of one quad such as the grouped
+        # kernel's):
         # k = 2: one shuffle per pair from a 16-entry table of pairs (two adjacent 2-bit
         #        fields are its lane index);
         # k = 3: byte-select tables, scaled per block, four lookups per two prmt;
@@ -242,8 +249,9 @@ class GemvKernel:
         # M = 1, k = 3, 4: the block scales go after the mma (``mma_tile``), not onto every
         # weight pair: 14-15 instructions per K tile less, 2-5% faster at M = 1 (A/B, five
         # shapes). Not taken: k = 2 (its quads cost two multiplies per shared-memory load:
-        # 10 instructions more), k = 5 and M = 2..4 (no faster; M = 4 k = 3, 5 2-3% slower),
-        # sm_80 (k = 3 spilled at its 72-register bound).
+        # 10 instructions more), k = 5 with shuffles and M = 2..4 (no faster; M = 4 k = 3, 5
+        # 2-3% slower), sm_80 (k = 3 spilled at its 72-register bound). k = 5's pair table
+        # takes it like k = 3, 4 (not measured without: M = 1 and 2 ran within 1% there).
         self.split_blocks = (
             m == 1 and (k in (3, 4) or self.lookup == "pair_table5")
             and target_arch_family() == "sm_90"
