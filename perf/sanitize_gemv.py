@@ -8,7 +8,7 @@ import torch
 
 import kbit_cute
 from kbit_cute import ops
-from kbit_cute.kernels.gemv import GEMV_LOOKUP, LOOKUP
+from kbit_cute.kernels.gemv import LOOKUP
 from perf.gemv_kernel_check import run_gemv
 
 
@@ -23,8 +23,8 @@ def main() -> None:
             kbit_cute.dequantize(qw, dtype)
             if k <= 4:  # the register lookup of single-quad CTAs (the grouped kernel's)
                 run_gemv(A, qw, out, 13, None, LOOKUP[k], 1)
-            else:  # the 128 KB table of large weights (this small one takes shuffles)
-                run_gemv(A, qw, out, 13, None, GEMV_LOOKUP[k])
+            else:  # sm_90's 128 KB table of large k = 5 weights (this small one takes shuffles)
+                run_gemv(A, qw, out, 13, None, "pair_table5")
     torch.cuda.synchronize()
     print("sanitize_gemv: done")
 

@@ -63,6 +63,7 @@ def test_gemv_lookups_give_the_mma_pairs(k, lookup, m, gen):
         THREAD_K,
         GemvKernel,
         _pairs_of,
+        pair5_entry_indices,
         pair5_high_bytes,
         pair5_selectors,
     )
@@ -72,10 +73,11 @@ def test_gemv_lookups_give_the_mma_pairs(k, lookup, m, gen):
     idx = torch.randint(0, 1 << k, (1, 32), generator=gen, dtype=torch.uint8)
     planes = [int(w) & 0xFFFFFFFF for w in fmt.pack_bitplanes(idx, k).tolist()]
     idx = idx[0].tolist()
-    lane = 5
-    if kern.high_plane:  # planes 0-3 as k = 4; plane 4 into the address
+    if kern.high_plane:  # planes 0-3 as k = 4; plane 4 into the address (lanes 0, 5, 31)
         fields = planes_to_fields(planes[:4], 4, W, False, kern.select_widths)
-        high = pair5_high_bytes(planes[4], fields, lane * 4 * 0x01010101)
+        highs = {
+            lane: pair5_high_bytes(planes[4], fields, lane * 0x04040404) for lane in (0, 5, 31)
+        }
     else:
         fields = planes_to_fields(planes, k, W, kern.byte_tables, kern.select_widths)  # as traced
     pairs = _pairs_of(fields, W)
@@ -110,13 +112,16 @@ def test_gemv_lookups_give_the_mma_pairs(k, lookup, m, gen):
                 assert fb2 == fa2 + 1
             elif kern.high_plane:
                 # byte address hb << 16 | fields' byte << 8 | ha << 7 | lane << 2
-                ha_bytes, hb_bytes = high[next(q for q, (w, _) in enumerate(fields) if w is word)]
+                q = next(q for q, (w, _) in enumerate(fields) if w is word)
                 first, second = pair5_selectors(fa2 // 2)
-                addr = _prmt(_prmt(word, ha_bytes, first), hb_bytes, second)
-                assert addr % 128 == lane * 4 and addr < 2 * 65536 and fb2 == fa2 + 1
-                fb_ = (addr >> 8) & 0xFF
-                ha, hb = (addr >> 7) & 1, addr >> 16
-                got = (codes[(fb_ & 15) | ha << 4], codes[(fb_ >> 4) | hb << 4])
+                for lane, high in highs.items():
+                    ha_bytes, hb_bytes = high[q]
+                    addr = _prmt(_prmt(word, ha_bytes, first), hb_bytes, second)
+                    assert addr % 128 == lane * 4 and addr < 2 * 65536 and fb2 == fa2 + 1
+                    # the entry the table fill wrote there (row of 256 bytes, 16-byte slice)
+                    lo, hi = pair5_entry_indices(addr >> 8, addr % 256 // 16)
+                    got = (codes[lo], codes[hi])
+                    assert got == (codes[idx[ja]], codes[idx[jb]]), (lane, ja, jb)
             else:
                 got = tuple(codes[(word >> (f * W)) & 31 & ((1 << k) - 1)] for f in (fa2, fb2))
             assert got == (codes[idx[ja]], codes[idx[jb]]), (k, ja, jb)

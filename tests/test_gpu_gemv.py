@@ -162,9 +162,9 @@ def test_gemv_pair_table_option(k, workers, dtype, weights):
     "lookup, stages", [("pair_table5", None), ("pair_table5", 2), ("shuffle", None)]
 )
 def test_gemv_k5_variants_on_an_odd_shape(lookup, stages, workers, M, dtype, weights):
-    """k = 5's variants (``ops.gemv_variant``: the 128 KB pair table of large weights with a
-    3- or 2-stage ring, the shuffles of small ones) on a shape padded in N and K, with and
-    without split-K."""
+    """k = 5's three GEMV variants, launched directly (those ``ops.gemv_variant`` picks from:
+    the 128 KB pair table with a 3- or 2-stage ring, the shuffles of small weights), on a
+    shape padded in N and K, with and without split-K."""
     from perf import gemv_kernel_check
     from perf.gemv_kernel_check import run_gemv
 

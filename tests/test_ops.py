@@ -296,17 +296,28 @@ def test_k5_plans_take_the_variant_of_their_weight(N, K, M, variant, quads, fake
     128 KB pair table, smaller ones the shuffles; at M <= 2 a weight whose split-K workers
     overflow 5-quad CTAs a 2-stage ring (7 quads). The plan launches that variant with its
     grid."""
+    import cutlass
+
     from kbit_cute.kernels.gemv import SMALL_WEIGHT, GemvKernel
 
+    calls, _ = fake_gpu
+    loaded = []  # (k, m, dtype, lookup, stages) of every launch function the plan loads
+    fake_launcher = ops._gemv_launcher
+
+    def recording_launcher(*key):
+        loaded.append(key)
+        return fake_launcher(*key)
+
+    ops._gemv_launcher = recording_launcher  # (the fixture's monkeypatch restores it)
     assert (N * K >= SMALL_WEIGHT) == (variant[0] is None)
     w = fake_weight(gen, N, K, 5, torch.float16)
     kbit_cute.gemm(fake(torch.randn(M, K, generator=gen).half()), w)
-    plan = ops._gemv_plans[(5, N, K, 7, torch.float16)]
     m = {1: 1, 2: 2, 4: 4}[M]
-    assert plan.variants[m] == ops.gemv_variant(5, m, N, K, 132) == variant
-    lookup, stages = variant
-    assert GemvKernel(5, m, None, stages, lookup).quads == quads
-    assert plan.entry(M)[1:] == ops.gemv_grid(5, m, torch.float16, N, K, 132)
+    assert loaded == [(5, m, torch.float16, *variant)]
+    kernel = GemvKernel(5, m, cutlass.Float16, variant[1], variant[0])
+    assert kernel.quads == quads
+    (args,) = calls  # launched with the grid of that variant
+    assert args[12:14] == ops.kernel_grid(kernel, N, K, 132)
 
 
 def test_hot_path_keeps_every_check(fake_gpu, gen):

@@ -113,10 +113,11 @@ STAGES = {2: 3, 3: 3, 4: 3, 5: 3}
 LOOKUP = {2: "pair_shuffle", 3: "byte_tables", 4: "shuffle", 5: "shuffle"}
 GEMV_LOOKUP = {2: "quad_table", 3: "pair_table", 4: "pair_table", 5: "pair_table5"}
 GEMV_LOOKUP_SM80 = {**GEMV_LOOKUP, 5: "shuffle"}
-# Weights under SMALL_WEIGHT elements take these lookups instead (``gemv_lookup``): k = 5's
-# 128 KB table costs more to fill than it saves on a short call (session 27, M = 1 / 2 / 4,
-# us, pair_table5 / shuffles: 2048x2048 4.02 / 4.18, 4.45 / 4.13, 4.59 / 4.39; 2048x512 3.30
-# / 3.06; 4096x2048 5.40 / 5.67, 5.95 / 5.88, 5.99 / 6.35).
+# Weights under SMALL_WEIGHT elements take these lookups instead (``gemv_lookup``, by size
+# alone, for every rows bucket): k = 5's 128 KB table costs more to fill than it saves on a
+# short call (session 27, M = 1 / 2 / 4, us, pair_table5 / shuffles: 2048x512 3.30 / 3.06,
+# 3.87 / 3.40, 4.24 / 3.83; 2048x2048 4.02 / 4.18, 4.45 / 4.13, 4.59 / 4.39: the table wins
+# at M = 1 only; 4096x2048 5.40 / 5.67, 5.95 / 5.88, 5.99 / 6.35: at M = 1 and 4).
 SMALL_WEIGHT = 1 << 23
 SMALL_WEIGHT_LOOKUP = {5: "shuffle"}
 # A ring of this depth fits 7 quads per CTA beside k = 5's 128 KB table (3 stages fit 5): what
@@ -134,7 +135,7 @@ MORE_QUADS_STAGES = {5: 2}
 # byte (from planes 0-3, as k = 4) and the two fifth bits ha, hb (plane 4), which pick one of
 # four 64 KB-halves: byte address hb << 16 | fields' byte << 8 | ha << 7 | lane << 2. 128 KB
 # with a copy per lane (conflict-free): one shared-memory wavefront per pair where two
-# shuffles took two, and 280 instead of 354 instructions per K tile (M = 1). 8192x28672
+# shuffles took two, and 275 instead of 354 instructions per K tile (M = 1). 8192x28672
 # M = 1 63.0 -> 57.4 us, 4096x14336 21.4 -> 17.8, 14336x4096 19.5 -> 16.6 (session 27).
 TABLE_ROW = 256
 TABLE_BYTES = 256 * TABLE_ROW
@@ -232,7 +233,7 @@ class GemvKernel:
         #   warps per SM). k = 4: 223 instead of ~300 instructions per K tile.
         # "pair_table5" (the default for k = 5 on sm_90): the pair table over the two 4-bit
         #   fields of planes 0-3, the fifth bits picking one of four sub-tables (128 KB,
-        #   ``pair5_high_bytes``): 280 instead of 354 instructions per K tile, half the
+        #   ``pair5_high_bytes``): 275 instead of 354 instructions per K tile, half the
         #   shared-memory wavefronts of the shuffles.
         # Register lookups (small k = 5 weights, and CTAs of one quad such as the grouped
         # kernel's):
@@ -259,7 +260,7 @@ class GemvKernel:
         self.table = self.lookup in TABLE_ENTRY_BYTES  # a shared-memory table per CTA
         self.table_bytes = TABLE_BYTES_OF.get(self.lookup, 0)
         # pair_table5 merges planes 0-3 as k = 4 does (4-bit fields); plane 4 goes into the
-        # table address (``high_bit_bytes``).
+        # table address (``pair5_high_bytes``).
         self.high_plane = self.lookup == "pair_table5"
         merged_k = 4 if self.high_plane else k
         min_width = {"byte_tables": 4, "pair_table": 4, "quad_table": 2}.get(self.lookup, 1)
@@ -315,13 +316,13 @@ class GemvKernel:
     @staticmethod
     def lookup_fits(lookup: str, k: int) -> bool:
         """Whether a lookup serves k: a pair shuffle needs 2-bit fields, byte tables <= 8
-        entries, the pair table two fields per byte (k <= 4); shuffles serve every k."""
-        limits = {
-            "pair_shuffle": 2, "quad_table": 2, "byte_tables": 3, "pair_table": 4, "shuffle": 5,
-            "pair_table5": 5,
-        }  # fmt: skip
+        entries, the pair table two fields per byte (k <= 4), pair_table5 exactly one plane
+        past those fields (k = 5); shuffles serve every k."""
         if lookup == "pair_table5":
-            return k == 5  # (its address takes exactly one plane past the fields)
+            return k == 5
+        limits = {
+            "pair_shuffle": 2, "quad_table": 2, "byte_tables": 3, "pair_table": 4, "shuffle": 5
+        }  # fmt: skip
         return lookup in limits and k <= limits[lookup]
 
     @staticmethod
@@ -549,7 +550,7 @@ class GemvKernel:
         return codebook, half_select, atom, frag_a, frag_b, ring, buf, acc
 
     def make_table(self, table: cute.Tensor, cb_lane):
-        """Fill the CTA's shared pair or quad table (``table``: TABLE_BYTES of shared
+        """Fill the CTA's shared pair or quad table (``table``: ``self.table_bytes`` of shared
         memory) from the codebook lanes (``cb_lane``: entry lane % 2^k in both halves);
         returns (table byte pointer, this lane's byte offset register). Threads write 16-byte
         slices (2 or 4 lanes' copies of a row)."""
@@ -589,10 +590,9 @@ class GemvKernel:
                         four[2 * j] = lo
                         four[2 * j + 1] = hi
                 elif cutlass.const_expr(self.high_plane):
-                    # row p = hb << 8 | fields' byte; slice = ha << 3 | lane >> 2
-                    s32 = Uint32(sl)
-                    lo = codebook_lookup_x2(cb_lane, (p32 & Uint32(15)) | ((s32 >> 3) << 4))
-                    hi = codebook_lookup_x2(cb_lane, ((p32 >> 4) & Uint32(15)) | ((p32 >> 8) << 4))
+                    lo_index, hi_index = pair5_entry_indices(p32, Uint32(sl))
+                    lo = codebook_lookup_x2(cb_lane, lo_index)
+                    hi = codebook_lookup_x2(cb_lane, hi_index)
                     four.fill(prmt(lo, hi, 0x5410))
                 else:
                     lo = codebook_lookup_x2(cb_lane, p32 & Uint32(15))
@@ -1232,6 +1232,14 @@ def pair5_selectors(i: int) -> tuple[int, int]:
     return i << 4 | (4 + i), (8 | (4 + i)) << 12 | (4 + i) << 8 | 0x10
 
 
+def pair5_entry_indices(row, slice_):
+    """pair_table5: the codebook indices (low, high half) of the entries in a 16-byte slice
+    of a 256-byte row (``fill_table``), the inverse of the address of ``pair5_selectors``:
+    row = hb << 8 | fields' byte (la | lb << 4), slice = ha << 3 | lane >> 2. Traced values
+    and host ints alike."""
+    return (row & 15) | (slice_ >> 3) << 4, ((row >> 4) & 15) | (row >> 8) << 4
+
+
 def _pairs_of(fields, width: int):
     """Pair the thread's K positions for the mma registers, as the SWAR fields lie.
 
@@ -1281,9 +1289,12 @@ def gemv_spec(
 
 
 def gemv_lookup(k: int, N: int, K: int) -> str | None:
-    """The lookup of the GEMV variant for a weight [N, K]: None (``GEMV_LOOKUP``) or, for a
-    weight under ``SMALL_WEIGHT`` elements, ``SMALL_WEIGHT_LOOKUP``'s."""
-    return SMALL_WEIGHT_LOOKUP.get(k) if N * K < SMALL_WEIGHT else None
+    """The lookup of the GEMV variant for a weight [N, K]: None (the default) or, for a
+    weight under ``SMALL_WEIGHT`` elements, ``SMALL_WEIGHT_LOOKUP``'s where it differs from
+    the target's default (sm_80's k = 5 default is the shuffles already)."""
+    lookup = SMALL_WEIGHT_LOOKUP.get(k) if N * K < SMALL_WEIGHT else None
+    default = (GEMV_LOOKUP_SM80 if target_arch_family() == "sm_80" else GEMV_LOOKUP)[k]
+    return None if lookup == default else lookup
 
 
 def specs():

@@ -68,7 +68,6 @@ from .gemv import (
     LOOKUP,
     MMA_N,
     ROW_TILES,
-    TABLE_BYTES,
     WARPS,
     GemvKernel,
 )
@@ -235,7 +234,7 @@ class GroupedGemvKernel(GemvKernel):
         # (at most 6), so the compiler keeps each thread to what that many CTAs can have.
         cta_bytes = 4 * self.stage_words() * self.stages * WARPS  # the ring
         cta_bytes += 4 * ROWS_PER_PASS * (COLS_PER_GROUP + 4) + 64  # the epilogue's
-        cta_bytes += TABLE_BYTES if self.table else 0
+        cta_bytes += self.table_bytes
         # (sm_80: at most 5, 96 registers: its gate/up code spilled at 6.)
         most = 5 if target_arch_family() == "sm_80" else 6
         self.min_ctas_per_sm = max(1, min(most, smem_per_sm() // cta_bytes))
