@@ -337,12 +337,12 @@ def gemv_grid(k: int, m_bucket: int, dtype: torch.dtype, N: int, K: int, sm_coun
 
 def gemv_variant(k: int, m_bucket: int, N: int, K: int, sm_count: int):
     """(lookup, stages) of the GEMV variant for a weight [N, K] at rows bucket m (None: the
-    kernel's default): the lookup by the weight's size (``gemv.gemv_lookup``); k = 5's table
+    kernel's default): the lookup by the weight's size and m (``gemv.gemv_lookup``); k = 5's table
     kernel at m <= 2 with a shallower ring (``gemv.MORE_QUADS_STAGES``: 7 quads per CTA, not
     5) where the split rule wants more workers than its 5-quad CTAs hold."""
     from .kernels.gemv import MORE_QUADS_STAGES, GemvKernel, gemv_lookup
 
-    lookup = gemv_lookup(k, N, K)
+    lookup = gemv_lookup(k, N, K, m_bucket)
     kernel = GemvKernel(k, m_bucket, None, lookup=lookup)
     if kernel.high_plane and m_bucket <= 2 and k in MORE_QUADS_STAGES:
         want = -(-N // 128) * gemv_splits(N, K, sm_count, m_bucket)

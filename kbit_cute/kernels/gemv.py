@@ -120,6 +120,10 @@ GEMV_LOOKUP_SM80 = {**GEMV_LOOKUP, 5: "shuffle"}
 # at M = 1 only; 4096x2048 5.40 / 5.67, 5.95 / 5.88, 5.99 / 6.35: at M = 1 and 4).
 SMALL_WEIGHT = 1 << 23
 SMALL_WEIGHT_LOOKUP = {5: "shuffle"}
+# Rows buckets above this take SMALL_WEIGHT_LOOKUP's lookup at every size: k = 5 at m = 8
+# (M = 5..8), whose 8-row rings leave 3 quads per CTA beside the 128 KB table (the shuffles
+# run 7), was not measured with the table (session 27 timed m = 1, 2, 4).
+TABLE_MAX_M = {5: 4}
 # A ring of this depth fits 7 quads per CTA beside k = 5's 128 KB table (3 stages fit 5): what
 # ``ops.gemv_variant`` takes at M <= 2 where the split rule wants more workers than 5-quad
 # CTAs hold (8192x28672 M = 1 / 2: 57.4 -> 55.4 / 57.5 -> 55.6 us; M = 4 and the shapes whose
@@ -1288,11 +1292,14 @@ def gemv_spec(
     return KernelSpec(f"gemv_k{k}_m{m}_{dtype}{suffix}", build, expect=("LDGSTS", "HMMA"))
 
 
-def gemv_lookup(k: int, N: int, K: int) -> str | None:
-    """The lookup of the GEMV variant for a weight [N, K]: None (the default) or, for a
-    weight under ``SMALL_WEIGHT`` elements, ``SMALL_WEIGHT_LOOKUP``'s where it differs from
-    the target's default (sm_80's k = 5 default is the shuffles already)."""
-    lookup = SMALL_WEIGHT_LOOKUP.get(k) if N * K < SMALL_WEIGHT else None
+def gemv_lookup(k: int, N: int, K: int, m_bucket: int) -> str | None:
+    """The lookup of the GEMV variant for a weight [N, K] at rows bucket m: None (the
+    default) or, for a weight under ``SMALL_WEIGHT`` elements or m above ``TABLE_MAX_M``,
+    ``SMALL_WEIGHT_LOOKUP``'s where it differs from the target's default (sm_80's k = 5
+    default is the shuffles already)."""
+    lookup = None
+    if N * K < SMALL_WEIGHT or m_bucket > TABLE_MAX_M.get(k, M_BUCKETS[-1]):
+        lookup = SMALL_WEIGHT_LOOKUP.get(k)
     default = (GEMV_LOOKUP_SM80 if target_arch_family() == "sm_80" else GEMV_LOOKUP)[k]
     return None if lookup == default else lookup
 
