@@ -295,9 +295,8 @@ def test_cuda_dispatch_passes_the_kernel_arguments_in_order(M, bias, fake_gpu, g
 def test_k5_plans_take_the_variant_of_their_weight(N, K, M, variant, quads, fake_gpu, gen):
     """k = 5 (``ops.gemv_variant``): weights of at least ``SMALL_WEIGHT`` elements get the
     128 KB pair table up to M = 4, smaller ones and M = 5..8 the shuffles; at M <= 2 a weight
-    whose split-K workers
-    overflow 5-quad CTAs a 2-stage ring (7 quads). The plan launches that variant with its
-    grid."""
+    whose split-K workers overflow 5-quad CTAs a 2-stage ring (7 quads). The plan launches
+    that variant with its grid."""
     import cutlass
 
     from kbit_cute.kernels.gemv import SMALL_WEIGHT, GemvKernel
