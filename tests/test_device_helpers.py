@@ -59,14 +59,12 @@ def test_gemv_lookups_give_the_mma_pairs(k, lookup, m, gen):
     second column's fields mirror the first's, and every lookup that serves this k (pair
     shuffle, quad table, byte tables, pair table or single shuffles) returns those
     positions' indices from the fields as the kernel merges them at this M."""
-    from kbit_cute.kernels.gemv import (
-        THREAD_K,
-        GemvKernel,
-        _pairs_of,
+    from kbit_cute.kernels.device_helpers import (
         pair5_entry_indices,
         pair5_high_bytes,
         pair5_selectors,
     )
+    from kbit_cute.kernels.gemv import THREAD_K, GemvKernel, _pairs_of
 
     kern = GemvKernel(k, m, None, lookup=lookup)
     W = kern.field_width

@@ -729,3 +729,45 @@ def run_start(w, units, workers, wide: cutlass.Constexpr[bool] = False) -> Int32
 def worker_of(u, units, workers, wide: cutlass.Constexpr[bool] = False) -> Int32:
     """The worker whose run holds unit u (the inverse of ``run_start``)."""
     return _div_runs(Int64(u) * Int64(workers) + Int64(workers - 1), units, wide)
+
+
+# ----------------------------------------------------------------------------- k = 5 pair table
+#
+# The GEMV's pair table for k = 5 (``gemv.GEMV_LOOKUP[5]``): a pair's 4-bit fields (planes 0-3,
+# merged as k = 4's) give a byte as in the k <= 4 pair table; its two fifth bits ha, hb (plane
+# 4) pick one of four 64 KB quarters. Byte address hb << 16 | fields' byte << 8 | ha << 7 |
+# lane << 2: a copy per lane, 128 KB.
+
+
+def pair5_high_bytes(plane4, fields, lane_bytes) -> list:
+    """pair_table5: per word of ``fields`` (4-bit fields of planes 0-3), the two registers
+    whose bytes carry its pairs' fifth bits into the table address: (byte i = lane << 2 |
+    ha << 7, byte i = hb), ha / hb the fifth bits of the pair in the word's byte i
+    (``plane4``: bit e = bit 4 of element e's index). A word's field f holds element 4 f + r,
+    so byte i's pair has both bits in plane4's byte i (bits r, r + 4): one shift and one mask
+    each, shared by the word's four pairs. ``lane_bytes``: lane << 2 in every byte. Traced
+    values and host ints alike."""
+    out = []
+    for _, elems in fields:
+        r = elems[0]
+        assert all(e == 4 * f + r for f, e in enumerate(elems)), elems
+        ha_bytes = bit_select(0x80808080, plane4 << (7 - r), lane_bytes)
+        hb_bytes = (plane4 >> (4 + r)) & 0x01010101
+        out.append((ha_bytes, hb_bytes))
+    return out
+
+
+def pair5_selectors(i: int) -> tuple[int, int]:
+    """pair_table5: the two prmt selectors that make the address of the pair in byte i of a
+    fields word: prmt(word, ha_bytes) puts lane << 2 | ha << 7 in byte 0 and the fields'
+    byte in byte 1; prmt(that, hb_bytes) adds hb as byte 2 and a zero byte 3 (hb's byte
+    sign-replicated: its top bit is 0)."""
+    return i << 4 | (4 + i), (8 | (4 + i)) << 12 | (4 + i) << 8 | 0x10
+
+
+def pair5_entry_indices(row, slice_):
+    """pair_table5: the codebook indices (low, high half) of the entries in a 16-byte slice
+    of a 256-byte row (``fill_table``), the inverse of the address of ``pair5_selectors``:
+    row = hb << 8 | fields' byte (la | lb << 4), slice = ha << 3 | lane >> 2. Traced values
+    and host ints alike."""
+    return (row & 15) | (slice_ >> 3) << 4, ((row >> 4) & 15) | (row >> 8) << 4

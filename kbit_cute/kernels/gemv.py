@@ -65,7 +65,6 @@ from .device_helpers import (
     SPLIT_FACTOR,
     absmax_pair_f32,
     absmax_x2,
-    bit_select,
     bits_to_f32,
     byte_pair_selector,
     byte_table_lookup,
@@ -83,6 +82,9 @@ from .device_helpers import (
     load_slot_words,
     mul_x2,
     nanosleep,
+    pair5_entry_indices,
+    pair5_high_bytes,
+    pair5_selectors,
     pair_selector,
     planes_to_fields,
     prefetch_l2,
@@ -1208,40 +1210,6 @@ class GemvKernel:
             if has_bias != 0:
                 r = r + Float32(mBias[n])
             mOut[m, n] = self.dtype(r)
-
-
-def pair5_high_bytes(plane4, fields, lane_bytes) -> list:
-    """pair_table5: per word of ``fields`` (4-bit fields of planes 0-3), the two registers
-    whose bytes carry its pairs' fifth bits into the table address: (byte i = lane << 2 |
-    ha << 7, byte i = hb), ha / hb the fifth bits of the pair in the word's byte i
-    (``plane4``: bit e = bit 4 of element e's index). A word's field f holds element 4 f + r,
-    so byte i's pair has both bits in plane4's byte i (bits r, r + 4): one shift and one mask
-    each, shared by the word's four pairs. ``lane_bytes``: lane << 2 in every byte. Traced
-    values and host ints alike."""
-    out = []
-    for _, elems in fields:
-        r = elems[0]
-        assert all(e == 4 * f + r for f, e in enumerate(elems)), elems
-        ha_bytes = bit_select(0x80808080, plane4 << (7 - r), lane_bytes)
-        hb_bytes = (plane4 >> (4 + r)) & 0x01010101
-        out.append((ha_bytes, hb_bytes))
-    return out
-
-
-def pair5_selectors(i: int) -> tuple[int, int]:
-    """pair_table5: the two prmt selectors that make the address of the pair in byte i of a
-    fields word: prmt(word, ha_bytes) puts lane << 2 | ha << 7 in byte 0 and the fields'
-    byte in byte 1; prmt(that, hb_bytes) adds hb as byte 2 and a zero byte 3 (hb's byte
-    sign-replicated: its top bit is 0)."""
-    return i << 4 | (4 + i), (8 | (4 + i)) << 12 | (4 + i) << 8 | 0x10
-
-
-def pair5_entry_indices(row, slice_):
-    """pair_table5: the codebook indices (low, high half) of the entries in a 16-byte slice
-    of a 256-byte row (``fill_table``), the inverse of the address of ``pair5_selectors``:
-    row = hb << 8 | fields' byte (la | lb << 4), slice = ha << 3 | lane >> 2. Traced values
-    and host ints alike."""
-    return (row & 15) | (slice_ >> 3) << 4, ((row >> 4) & 15) | (row >> 8) << 4
 
 
 def _pairs_of(fields, width: int):
