@@ -325,12 +325,15 @@ def gemv_splits(N: int, K: int, sm_count: int, m_bucket: int = 1) -> int:
     return 1 << (max(want, 1).bit_length() - 1)
 
 
-def gemv_grid(k: int, m_bucket: int, dtype: torch.dtype, N: int, K: int, sm_count: int,
-              workers: int | None = None) -> tuple[int, int]:  # fmt: skip
-    """(workers, CTAs) of the GEMV variant (k, m bucket, dtype) on a weight [N, K]."""
+def gemv_grid(
+    k: int, m_bucket: int, dtype: torch.dtype, N: int, K: int, sm_count: int,
+    workers: int | None = None, variant: tuple | None = None,
+) -> tuple[int, int]:  # fmt: skip
+    """(workers, CTAs) of the GEMV variant (k, m bucket, dtype) on a weight [N, K];
+    ``variant``: its (lookup, stages) if already known (else ``gemv_variant``'s)."""
     from .kernels.gemv import _DTYPES, GemvKernel
 
-    lookup, stages = gemv_variant(k, m_bucket, N, K, sm_count)
+    lookup, stages = variant or gemv_variant(k, m_bucket, N, K, sm_count)
     kernel = GemvKernel(k, m_bucket, _DTYPES[_GEMV_DTYPES[dtype]], stages, lookup)
     return kernel_grid(kernel, N, K, sm_count, workers)
 
@@ -456,7 +459,9 @@ class _GemvPlan:
         self.bias_shape = torch.Size((N,))
         self.strips = -(-N // 128) * 4  # split-K counters: one per 32-column strip
         # (workers, ctas) per rows bucket
-        self.grids = {m: gemv_grid(k, m, dtype, N, K, sm_count) for m in buckets}
+        self.grids = {
+            m: gemv_grid(k, m, dtype, N, K, sm_count, variant=self.variants[m]) for m in buckets
+        }
         self.ws_elems = max(_ws_elems(w, m) for m, (w, _) in self.grids.items())
         self.by_m: list[tuple[object, int, int] | None] = [None] * (GEMV_MAX_M + 1)
         self.scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -247,9 +247,7 @@ class GemvKernel:
         #        fields are its lane index);
         # k = 3: byte-select tables, scaled per block, four lookups per two prmt;
         # k >= 4: one shuffle per weight, two merged into a pair with one prmt.
-        # (sm_80: k = 5's 128 KB table would leave an SM one quad of warps)
-        family_lookup = GEMV_LOOKUP_SM80 if target_arch_family() == "sm_80" else GEMV_LOOKUP
-        self.lookup = lookup or family_lookup[k]
+        self.lookup = lookup or default_lookup(k)
         if not GemvKernel.lookup_fits(self.lookup, k):
             raise ValueError(f"GEMV lookup {self.lookup!r} does not serve k={k}")
         self.byte_tables = self.lookup == "byte_tables"
@@ -858,6 +856,7 @@ class GemvKernel:
             planes = [
                 prmt(Uint32(rW[b, 2 * r]), Uint32(rW[b, 2 * r + 1]), half_select) for b in range(k)
             ]
+            high = None  # pair_table5: each fields word's ``pair5_high_bytes``, in order
             if cutlass.const_expr(self.high_plane):
                 fields = planes_to_fields(planes[:4], 4, W, False, self.select_widths)
                 high = pair5_high_bytes(planes[4], fields, codebook[1])
@@ -882,11 +881,13 @@ class GemvKernel:
                     elif self.byte_tables:
                         w_pairs[half][p] = self.lookup_pair(tables, word, fa2, fb2)
                     else:
-                        hb = None
-                        if cutlass.const_expr(self.high_plane):
-                            hb = high[next(q for q, (w, _) in enumerate(fields) if w is word)]
+                        word_high = None
+                        if cutlass.const_expr(self.high_plane):  # (the word's own entry)
+                            word_high = next(
+                                h for (w, _), h in zip(fields, high, strict=True) if w is word
+                            )
                         w_pairs[half][p] = self.scaled(
-                            self.lookup_pair(codebook, word, fa2, fb2, hb), scale
+                            self.lookup_pair(codebook, word, fa2, fb2, word_high), scale
                         )
             if cutlass.const_expr(self.split_blocks):
                 mma_acc = buf[3][r]
@@ -1268,8 +1269,13 @@ def gemv_lookup(k: int, N: int, K: int, m_bucket: int) -> str | None:
     lookup = None
     if N * K < SMALL_WEIGHT or m_bucket > TABLE_MAX_M.get(k, M_BUCKETS[-1]):
         lookup = SMALL_WEIGHT_LOOKUP.get(k)
-    default = (GEMV_LOOKUP_SM80 if target_arch_family() == "sm_80" else GEMV_LOOKUP)[k]
-    return None if lookup == default else lookup
+    return None if lookup == default_lookup(k) else lookup
+
+
+def default_lookup(k: int) -> str:
+    """The GEMV's lookup for k on the compile target (sm_80: k = 5's 128 KB table would
+    leave an SM one quad of warps, so the shuffles)."""
+    return (GEMV_LOOKUP_SM80 if target_arch_family() == "sm_80" else GEMV_LOOKUP)[k]
 
 
 def specs():
