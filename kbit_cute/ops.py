@@ -340,16 +340,19 @@ def gemv_grid(
 
 def gemv_variant(k: int, m_bucket: int, N: int, K: int, sm_count: int):
     """(lookup, stages) of the GEMV variant for a weight [N, K] at rows bucket m (None: the
-    kernel's default): the lookup by the weight's size and m (``gemv.gemv_lookup``); k = 5's table
-    kernel at m <= 2 with a shallower ring (``gemv.MORE_QUADS_STAGES``: 7 quads per CTA, not
-    5) where the split rule wants more workers than its 5-quad CTAs hold."""
-    from .kernels.gemv import MORE_QUADS_STAGES, GemvKernel, gemv_lookup
+    kernel's default): the lookup by the weight's size (``gemv.gemv_lookup``); k = 5's table
+    kernel with a shallower ring, which holds more quads per CTA (``gemv.MORE_QUADS_STAGES``),
+    at the rows buckets ``MORE_QUADS_M`` where the split rule wants more than
+    ``MORE_QUADS_FROM`` workers per SM (measured)."""
+    from .kernels.gemv import (
+        MORE_QUADS_FROM, MORE_QUADS_M, MORE_QUADS_STAGES, GemvKernel, gemv_lookup,
+    )  # fmt: skip
 
-    lookup = gemv_lookup(k, N, K, m_bucket)
+    lookup = gemv_lookup(k, N, K)
     kernel = GemvKernel(k, m_bucket, None, lookup=lookup)
-    if kernel.high_plane and m_bucket <= 2 and k in MORE_QUADS_STAGES:
+    if kernel.high_plane and m_bucket in MORE_QUADS_M and k in MORE_QUADS_STAGES:
         want = -(-N // 128) * gemv_splits(N, K, sm_count, m_bucket)
-        if want > sm_count * kernel.ctas_per_sm * kernel.quads:
+        if want > sm_count * MORE_QUADS_FROM:
             return lookup, MORE_QUADS_STAGES[k]
     return lookup, None
 

@@ -153,11 +153,12 @@ def _flat(mode):
     [
         (3, "bf16", "m16n256k128s4w1x8"), (5, "f16", "m128n128k64s3w2x4"),
         (2, "bf16", "m64n256k64s4w1x8rg"), (5, "f16", "m128n256k128s4w1x8g"),
+        (4, "f16", "m16n128k64s6w1x4lgp"), (5, "bf16", "m64n128k64s6w1x4gp"),
     ],
 )  # fmt: skip
 def test_other_tile_configs_compile(k, dtype, name):
-    """TILE_N = 256, TILE_K = 128, warps_m = 2 and wgmma tilings (not all in the dispatch
-    table) compile."""
+    """TILE_N = 256, TILE_K = 128, warps_m = 2, wgmma and warp-specialized tilings (not all
+    in the dispatch table) compile."""
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     fn, args = g.gemm_spec(k, dtype, g.GemmConfig.parse(name)).build()
     assert cute.compile(fn, *args) is not None
@@ -196,6 +197,14 @@ def test_config_names_round_trip_and_bad_configs_are_named():
         g.GemmKernel(4, "f16", g.GemmConfig.parse("m128n128k64s4w2x4g"))
     with pytest.raises(ValueError, match="tile_m"):
         g.GemmKernel(4, "f16", g.GemmConfig.parse("m256n128k64s4w2x4"))  # mma.sync: <= 128
+    ws = g.GemmConfig.parse("m16n128k128s6w1x4lgp")
+    assert ws.specialized and ws.wgmma and g.GemmConfig.parse(ws.name) == ws
+    assert ws.block_threads == 128 * (1 + 128 // 32)  # a producer group per 32-K block
+    with pytest.raises(ValueError, match="needs the warpgroup MMA"):
+        g.GemmKernel(4, "f16", g.GemmConfig.parse("m16n128k64s6w1x4p"))
+    with pytest.raises(ValueError, match="4 stages or more"):
+        g.GemmKernel(4, "f16", g.GemmConfig.parse("m16n128k64s3w1x4gp"))
+    assert g.for_arch(ws, "sm_80") == g.GemmConfig.parse("m16n128k128s3w1x4l")
 
 
 def test_wgmma_configs_take_an_mma_sync_twin_before_sm90():

@@ -142,6 +142,31 @@ def test_wgmma_every_k_and_dtype(k, dtype, weights):
                 assert torch.equal(got, again), (M, name, splits, workers)
 
 
+SPECIALIZED_CONFIGS = ["m16n128k64s8w1x4gp", "m16n128k128s4w1x4gp", "m64n128k64s6w1x4gp"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", KS)
+def test_specialized_every_k_and_dtype(k, dtype, weights):
+    """The warp-specialized wgmma kernel (producer warps dequantize into shared memory)
+    for every k and dtype, M tiles partly filled, several tiles per CTA (stream-K runs
+    that start and end inside tiles, K runs shorter and longer than the ring); and
+    bit-identical to itself."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma needs sm_90a")
+    for K, N in ((1056, 1000), (4096, 520)):
+        qw = weights(K, N, k)
+        for M in (5, 64, 100):
+            A = torch.randn(M, K, device="cuda", dtype=dtype)
+            ref = reference(A, qw)
+            for name in SPECIALIZED_CONFIGS:
+                for splits, workers in ((1, None), (3, None), (None, 23), (None, 4)):
+                    kw = dict(config=name, splits=splits, workers=workers, deterministic=True)
+                    got = run(A, qw, **kw)
+                    assert rel_err(got, ref) < TOL[dtype], (K, N, M, name, splits, workers)
+                    assert torch.equal(got, run(A, qw, **kw)), (K, N, M, name, splits, workers)
+
+
 @pytest.mark.parametrize("splits", [2, 5, 16])
 def test_split_k_deterministic_mode_is_bit_identical(splits, weights):
     K, N, k = 5120, 2048, 4

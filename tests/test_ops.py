@@ -289,13 +289,15 @@ def test_cuda_dispatch_passes_the_kernel_arguments_in_order(M, bias, fake_gpu, g
         (28672, 8192, 1, (None, 2), 7),  # 224 x 4 workers wanted: 2 stages, 7 quads
         (28672, 8192, 2, (None, 2), 7),
         (28672, 8192, 4, (None, None), 4),  # M = 4 keeps 3 stages (measured)
-        (28672, 8192, 5, ("shuffle", None), 7),  # M = 5..8: the shuffles (TABLE_MAX_M)
+        (28672, 8192, 5, (None, 2), 5),  # M = 5..8: 2 stages, 5 quads (3 stages hold 3)
+        (14336, 4096, 8, (None, None), 3),  # 112 x 4 workers: 3 stages, 3 quads
+        (2048, 2048, 8, ("shuffle", None), 7),  # under SMALL_WEIGHT: shuffles at every M
     ],
 )
 def test_k5_plans_take_the_variant_of_their_weight(N, K, M, variant, quads, fake_gpu, gen):
     """k = 5 (``ops.gemv_variant``): weights of at least ``SMALL_WEIGHT`` elements get the
-    128 KB pair table up to M = 4, smaller ones and M = 5..8 the shuffles; at M <= 2 a weight
-    whose split-K workers overflow 5-quad CTAs a 2-stage ring (7 quads). The plan launches
+    128 KB pair table, smaller ones the shuffles; at M <= 2 and M = 5..8 a weight whose
+    split-K workers exceed 5 per SM a 2-stage ring (more quads per CTA). The plan launches
     that variant with its grid."""
     import cutlass
 
@@ -310,10 +312,10 @@ def test_k5_plans_take_the_variant_of_their_weight(N, K, M, variant, quads, fake
         return fake_launcher(*key)
 
     ops._gemv_launcher = recording_launcher  # (the fixture's monkeypatch restores it)
-    assert (N * K >= SMALL_WEIGHT and M <= 4) == (variant[0] is None)
+    assert (N * K >= SMALL_WEIGHT) == (variant[0] is None)
     w = fake_weight(gen, N, K, 5, torch.float16)
     kbit_cute.gemm(fake(torch.randn(M, K, generator=gen).half()), w)
-    m = {1: 1, 2: 2, 4: 4, 5: 8}[M]
+    m = {1: 1, 2: 2, 4: 4, 5: 8, 8: 8}[M]
     assert loaded == [(5, m, torch.float16, *variant)]
     kernel = GemvKernel(5, m, cutlass.Float16, variant[1], variant[0])
     assert kernel.quads == quads

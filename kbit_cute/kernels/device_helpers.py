@@ -516,7 +516,19 @@ def prefetch_l2(ptr: cute.Pointer, nbytes) -> None:
 
 
 @cute.jit
-def split_k_arrive(counter: cute.Pointer, splits: Int32, sFlag: cute.Tensor) -> Int32:
+def cta_sync(barrier: cutlass.Constexpr = None):
+    """``bar.sync``: of the whole CTA (None), or named barrier (id, threads)."""
+    if cutlass.const_expr(barrier is None):
+        cute.arch.sync_threads()
+    else:
+        cute.arch.barrier(barrier_id=barrier[0], number_of_threads=barrier[1])
+
+
+@cute.jit
+def split_k_arrive(
+    counter: cute.Pointer, splits: Int32, sFlag: cute.Tensor,
+    barrier: cutlass.Constexpr = None,
+) -> Int32:  # fmt: skip
     """After a CTA wrote its fp32 partials: publish them and count the CTA in on its output
     tile's counter. Returns nonzero in the CTA that arrived last, which may then read every
     split's partials; it resets the counter, so the next call needs no memset.
@@ -524,14 +536,16 @@ def split_k_arrive(counter: cute.Pointer, splits: Int32, sFlag: cute.Tensor) -> 
     Release = fence, then a relaxed atomic; acquire = the atomic, then a fence (the PTX
     memory model's fence patterns). The reset is a plain store after the acquire fence: a
     fence waits for every memory operation before it, so a reset before it (or an atomic
-    with acq_rel semantics, one fence more) costs an L2 round trip each."""
+    with acq_rel semantics, one fence more) costs an L2 round trip each. ``barrier``: (id,
+    threads) of the named barrier of the CTA's threads that take part (thread 0 among
+    them); None: all of them."""
     cute.arch.fence_acq_rel_gpu()
-    cute.arch.sync_threads()
+    cta_sync(barrier)
     tidx, _, _ = cute.arch.thread_idx()
     if tidx == 0:
         prev = cute.arch.atomic_add(counter, Int32(1), sem="relaxed", scope="gpu")
         sFlag[0] = Int32(prev == splits - 1)
-    cute.arch.sync_threads()
+    cta_sync(barrier)
     last = sFlag[0]
     if last != 0:
         cute.arch.fence_acq_rel_gpu()

@@ -52,6 +52,7 @@ from ..format import BLOCK, BLOCKS_PER_TILE_K, TILE_K, TILE_N
 from .device_helpers import (
     CODEBOOK_FACTOR,
     absmax_x2,
+    cta_sync,
     g2s_copy_atom,
     mul_x2,
     pair_offsets,
@@ -69,6 +70,9 @@ from .device_helpers import (
 _TILE_WORDS_PER_K = TILE_N * BLOCKS_PER_TILE_K  # int32 words of one repack tile, per bit
 _TILE_ABSMAX = TILE_N * BLOCKS_PER_TILE_K  # absmax bytes of one repack tile
 _CHUNK = 16  # bytes per cp.async
+# Dequantized weight tiles of a specialized kernel's ring (``gemm_ws``): the producers run
+# up to two K slices ahead of the wgmmas.
+WEIGHT_TILES = 2
 _C_PAD = 8  # elements of padding per epilogue row: rows start 4 banks apart (no conflicts)
 _LANES = 32  # copies of a lane-replicated pair table: entry p of lane l at p * 128 + l * 4
 _ROW_BYTES = 256  # row of a row table: entry p of lane l at p * 256 + l * 4
@@ -108,6 +112,10 @@ class GemmConfig:
     # dequantized weights are wgmma's register operand, the activations its shared-memory
     # operand; warps_n / 4 warpgroups of 64-column m tiles.
     wgmma: bool = False
+    # Warp-specialized wgmma (suffix "p" after "g", ``gemm_ws.WsGemmKernel``): producer
+    # warps (as many as the MMA's per 32-weight block of a K slice) copy and dequantize the
+    # weight into shared-memory fp16 tiles; the MMA warpgroups read both operands there.
+    specialized: bool = False
 
     @property
     def lane_table(self) -> bool:
@@ -127,12 +135,19 @@ class GemmConfig:
         return 32 * self.warps_m * self.warps_n
 
     @property
+    def block_threads(self) -> int:
+        """Threads of a CTA: the MMA threads, and where specialized as many producers per
+        32-weight block of a K slice (``gemm_ws``)."""
+        return self.threads * (1 + self.tile_k // 32 if self.specialized else 1)
+
+    @property
     def name(self) -> str:
         return (
             f"m{self.tile_m}n{self.tile_n}k{self.tile_k}s{self.stages}"
             f"w{self.warps_m}x{self.warps_n}"
             + _TABLE_SUFFIX.get(self.table, "?")
             + ("g" if self.wgmma else "")
+            + ("p" if self.specialized else "")
         )
 
     @staticmethod
@@ -140,13 +155,14 @@ class GemmConfig:
         """Inverse of ``name`` (the dispatch table stores names)."""
         import re
 
-        m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)x(\d+)([lr]?)(g?)", name)
+        m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)x(\d+)([lr]?)(g?)(p?)", name)
         if m is None:
             raise ValueError(f"not a GEMM config name: {name!r}")
         return GemmConfig(
-            *(int(x) for x in m.groups()[:-2]),
+            *(int(x) for x in m.groups()[:-3]),
             table=_TABLE_OF_SUFFIX[m.group(7)],
             wgmma=m.group(8) == "g",
+            specialized=m.group(9) == "p",
         )
 
     def problems(self) -> list[str]:
@@ -175,8 +191,14 @@ class GemmConfig:
             out.append(f"tile_m={self.tile_m} is not a multiple of 16 * warps_m={self.warps_m}")
         if self.warps_n not in (1, 2, 4, 8, 16) or self.tile_n % (8 * self.warps_n):
             out.append(f"warps_n={self.warps_n} must be a power of two <= 16 dividing tile_n/8")
-        if self.threads > 512:
-            out.append(f"{self.threads} threads per CTA; at most 512")
+        if self.block_threads > (1024 if self.specialized else 512):
+            out.append(f"{self.block_threads} threads per CTA; at most 512 (specialized 1024)")
+        if self.specialized:
+            if not self.wgmma:
+                out.append("warp specialization (p) needs the warpgroup MMA (g)")
+            if self.stages < 4:
+                # the copies run stages - 2 slices ahead
+                out.append(f"a specialized ring takes 4 stages or more, got {self.stages}")
         if self.table not in TABLE_LAYOUTS:
             out.append(f"table must be one of {TABLE_LAYOUTS}, got {self.table!r}")
         if self.threads < self.tile_k:
@@ -195,7 +217,13 @@ def _smem_plan(cfg: GemmConfig, k: int) -> dict:
     a_stage = cfg.tile_m * cfg.tile_k * 2
     w_stage = rtiles * _TILE_WORDS_PER_K * k * 4
     s_stage = rtiles * _TILE_ABSMAX
+    # A specialized kernel's two dequantized weight tiles (wgmma's shared operand,
+    # 128-byte swizzled: 1 KB aligned).
+    h_stage = cfg.tile_n * cfg.tile_k * 2 if cfg.specialized else 0
+    h = -(-cfg.stages * (a_stage + w_stage + s_stage) // 1024) * 1024
     pipe = cfg.stages * (a_stage + w_stage + s_stage)
+    if cfg.specialized:
+        pipe = h + WEIGHT_TILES * h_stage
     epi = cfg.tile_m * (cfg.tile_n + _C_PAD) * 2
     union = -(-max(pipe, epi) // 1024) * 1024
     table = (4 << (2 * k)) * (_LANES if cfg.lane_table else 1)
@@ -205,9 +233,11 @@ def _smem_plan(cfg: GemmConfig, k: int) -> dict:
         a=0,
         w=cfg.stages * a_stage,
         s=cfg.stages * (a_stage + w_stage),
+        h=h,
         a_stage=a_stage,
         w_stage=w_stage,
         s_stage=s_stage,
+        h_stage=h_stage,
         union=union,
         table=union,
         table_bytes=table,
@@ -301,7 +331,7 @@ class GemmKernel:
             pA, pPacked, pAbsmax, pCodebook, pScale, pBias, pOut, pWorkspace, pCounters,
             M, N, K, workers, run_gcd, has_bias, atomic,
         ).launch(
-            grid=[workers, 1, 1], block=[self.threads, 1, 1], stream=stream,
+            grid=[workers, 1, 1], block=[self.cfg.block_threads, 1, 1], stream=stream,
             min_blocks_per_mp=self.min_ctas_per_sm(), preferred_smem_carveout=-1,
             use_pdl=self.pdl,
         )  # fmt: skip
@@ -369,6 +399,17 @@ class GemmKernel:
             # before the first tile: its copies would wait for the pair table's codebook
             # loads; 2048x10240 M = 16, 4 K slices per CTA: 10% slower.)
             cute.arch.sync_threads()
+
+    @cute.jit
+    def role_tidx(self):
+        """The thread's index among the threads of its role (copies, table, epilogue): the
+        CTA's thread index here; a specialized kernel's producers count from 0 as well."""
+        tidx, _, _ = cute.arch.thread_idx()
+        return tidx
+
+    def epilogue_barrier(self):
+        """Named barrier (id, threads) of the threads that run the epilogue; None: the CTA."""
+        return None
 
     def smem_views(self, base_u8):
         """The regions of ``tile``'s shared memory (``_smem_plan``): the A ring (TILE_M,
@@ -612,7 +653,7 @@ class GemmKernel:
         """table[p] = (cb[i0], cb[i1]) x factor in the activation dtype, p = interleaved
         pair index (``pair_table_index``); 2^(2k) 32-bit entries."""
         k = self.k
-        tidx, _, _ = cute.arch.thread_idx()
+        tidx = self.role_tidx()
         mCb = cute.make_tensor(pCodebook, cute.make_layout(1 << k))
         factor = Float32(CODEBOOK_FACTOR[self.dtype_name])
         pair = cute.make_rmem_tensor((2,), self.dtype)
@@ -641,7 +682,7 @@ class GemmKernel:
         copy of row M - 1 for each of them measured slow: 8192x28672 M = 33 k = 4 172 vs
         123 us)."""
         cfg = self.cfg
-        tidx, _, _ = cute.arch.thread_idx()
+        tidx = self.role_tidx()
         M, K = mA.shape
         (row0, kk), _ = self.a_copy_plan(tidx, 0)  # pass i: row0 + i * a_rows_per_pass()
         offs = cute.make_rmem_tensor((self.a_passes() + 1,), Int32)
@@ -665,7 +706,7 @@ class GemmKernel:
     ):
         """cp.async of CTA k-slice ``kt`` (A rows, B words, absmax) into buffer ``stage``."""
         cfg, plan = self.cfg, self.plan
-        tidx, _, _ = cute.arch.thread_idx()
+        tidx = self.role_tidx()
         M, K = mA.shape
         g2s_w = g2s_copy_atom(Int32)
         g2s_a = g2s_copy_atom(self.dtype)
@@ -804,7 +845,7 @@ class GemmKernel:
         (arrivals, my_slot, first_slot): the workers meeting in this tile (1: this CTA holds
         all of K and stores), this CTA's partial slot, and the first worker's slot (the
         later workers' slots follow 2 apart: ``kernel``)."""
-        tidx, _, _ = cute.arch.thread_idx()
+        tidx = self.role_tidx()
         T = self.threads
         V = cute.size(tCrC)
         acc = cute.make_tensor(tCrC.iterator, cute.make_layout(V))  # flat view
@@ -826,7 +867,7 @@ class GemmKernel:
                     off = cute.assume(mine + (v4 * T + tidx) * 4, divby=4)
                     self.red_add4(pWorkspace + off, self._four(acc, v4))
             # The last CTA of the tile reduces and stores.
-            do_store = split_k_arrive(pCounters + tile, arrivals, sFlag)
+            do_store = split_k_arrive(pCounters + tile, arrivals, sFlag, self.epilogue_barrier())
             if do_store != 0:
                 if atomic == 0:
                     acc.fill(0.0)
@@ -915,7 +956,7 @@ class GemmKernel:
                 r = r + Float32(mBias[cutlass.min(n0 + tCcC[v][self.C_N_MODE], N - 1)])
             tCrD[v] = self.dtype(r)
         cute.autovec_copy(tCrD, tCsC)
-        cute.arch.sync_threads()
+        cta_sync(self.epilogue_barrier())
         self.copy_out(sC, pOut, M, N, m0, n0, cfg.tile_n)
 
     @cute.jit
@@ -923,7 +964,7 @@ class GemmKernel:
         """The first ``cols`` columns of the staged tile ``sC`` to rows m0.. and columns n0..
         of the (M, N) output: 16-byte coalesced stores, element stores at a ragged edge."""
         cfg = self.cfg
-        tidx, _, _ = cute.arch.thread_idx()
+        tidx = self.role_tidx()
         mOut = cute.make_tensor(pOut, cute.make_layout((M, N), stride=(N, 1)))
         chunks_row = cols // 8
         chunks = cfg.tile_m * chunks_row
@@ -956,6 +997,10 @@ def gemm_spec(k: int, dtype: str, config: GemmConfig):
             fake_ptr(dt), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int32, 4),
             Int32(5), Int32(128), Int32(64), Int32(1), Int32(1), Int32(0), Int32(0), fake_stream(),
         )  # fmt: skip
+        if config.specialized:
+            from .gemm_ws import WsGemmKernel
+
+            return WsGemmKernel(k, dtype, config), args
         if config.wgmma:
             from .gemm_wgmma import WgmmaGemmKernel
 
@@ -991,8 +1036,11 @@ def for_arch(cfg: GemmConfig, arch: str) -> GemmConfig:
     if not cfg.wgmma or has_wgmma(arch):
         return cfg
     if cfg.tile_m >= 128:
-        return replace(cfg, wgmma=False, tile_m=128, tile_n=128, stages=3, warps_m=2, warps_n=4)
-    return replace(cfg, wgmma=False, stages=3)
+        return replace(
+            cfg, wgmma=False, specialized=False, tile_m=128, tile_n=128, stages=3, warps_m=2,
+            warps_n=4,
+        )  # fmt: skip
+    return replace(cfg, wgmma=False, specialized=False, stages=3)
 
 
 def table_specs(arch: str) -> list:

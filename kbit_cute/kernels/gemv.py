@@ -122,15 +122,15 @@ GEMV_LOOKUP_SM80 = {**GEMV_LOOKUP, 5: "shuffle"}
 # at M = 1 only; 4096x2048 5.40 / 5.67, 5.95 / 5.88, 5.99 / 6.35: at M = 1 and 4).
 SMALL_WEIGHT = 1 << 23
 SMALL_WEIGHT_LOOKUP = {5: "shuffle"}
-# Rows buckets above this take SMALL_WEIGHT_LOOKUP's lookup at every size: k = 5 at m = 8
-# (M = 5..8), whose 8-row rings leave 3 quads per CTA beside the 128 KB table (the shuffles
-# run 7), was not measured with the table (session 27 timed m = 1, 2, 4).
-TABLE_MAX_M = {5: 4}
-# A ring of this depth fits 7 quads per CTA beside k = 5's 128 KB table (3 stages fit 5): what
-# ``ops.gemv_variant`` takes at M <= 2 where the split rule wants more workers than 5-quad
-# CTAs hold (8192x28672 M = 1 / 2: 57.4 -> 55.4 / 57.5 -> 55.6 us; M = 4 and the shapes whose
-# workers fit are faster with 3 stages: 4096x14336 17.8 against 19.0, session 27).
+# A ring of this depth fits more quads per CTA beside k = 5's 128 KB table (m <= 2: 7, not
+# 5; m = 8: 5, not 3): what ``ops.gemv_variant`` takes at the rows buckets MORE_QUADS_M where
+# the split rule wants more than MORE_QUADS_FROM workers per SM. 8192x28672 (6.8 per SM), us,
+# 3 / 2 stages: M = 1 57.4 / 55.4, M = 2 57.5 / 55.6 (session 27), M = 5 69.6 / 64.4, M = 8
+# 72.5 / 65.6 (session 28); M = 4 kept 3 stages (58.95 / 61.30), and so did the shapes with
+# fewer workers (4096x14336, 3.4 per SM: M = 1 17.8 / 19.0, M = 8 20.2 / 22.2).
 MORE_QUADS_STAGES = {5: 2}
+MORE_QUADS_M = (1, 2, 8)
+MORE_QUADS_FROM = 5
 # Shared-memory tables indexed by one byte of index fields, one copy per lane so that a
 # warp's 32 loads hit distinct banks; a prmt builds the byte address row * 256 + lane copy
 # from the fields' byte and the lane's byte. Pair table (k = 3, 4): row p = the pair
@@ -1261,14 +1261,11 @@ def gemv_spec(
     return KernelSpec(f"gemv_k{k}_m{m}_{dtype}{suffix}", build, expect=("LDGSTS", "HMMA"))
 
 
-def gemv_lookup(k: int, N: int, K: int, m_bucket: int) -> str | None:
-    """The lookup of the GEMV variant for a weight [N, K] at rows bucket m: None (the
-    default) or, for a weight under ``SMALL_WEIGHT`` elements or m above ``TABLE_MAX_M``,
-    ``SMALL_WEIGHT_LOOKUP``'s where it differs from the target's default (sm_80's k = 5
-    default is the shuffles already)."""
-    lookup = None
-    if N * K < SMALL_WEIGHT or m_bucket > TABLE_MAX_M.get(k, M_BUCKETS[-1]):
-        lookup = SMALL_WEIGHT_LOOKUP.get(k)
+def gemv_lookup(k: int, N: int, K: int) -> str | None:
+    """The lookup of the GEMV variant for a weight [N, K]: None (the default) or, for a
+    weight under ``SMALL_WEIGHT`` elements, ``SMALL_WEIGHT_LOOKUP``'s where it differs from
+    the target's default (sm_80's k = 5 default is the shuffles already)."""
+    lookup = SMALL_WEIGHT_LOOKUP.get(k) if N * K < SMALL_WEIGHT else None
     return None if lookup == default_lookup(k) else lookup
 
 
@@ -1290,7 +1287,7 @@ def specs():
         + [
             gemv_spec(k, m, d, st)
             for k, st in MORE_QUADS_STAGES.items()
-            for m in (1, 2)
+            for m in MORE_QUADS_M
             for d in _DTYPES
         ]
     )
