@@ -14,8 +14,9 @@ dequantize + a matmul per expert.
 ``max_rows`` is a static bound on any one expert's rows (0: R). A MoE layer passes the token
 count, since a token picks an expert at most once. The kernel for large launches
 (``GroupedGemvKernel``) keeps split-K partial sums for that many rows per expert; rows past
-the bound come out as NaN, never silently wrong. Launches with 16 or more busy experts at
-k <= 4 (``GroupedStreamKernel``, stream-K over every SM) do not need the bound, nor do
+the bound come out as NaN, never silently wrong. Launches with 16 or more busy experts
+(``GroupedStreamKernel``, stream-K over every SM; k = 5 on sm_90 only) do not need the
+bound, nor do
 launches of 16 or more rows per busy expert on average (prefill), which run
 ``GroupedGemmKernel``: the dense GEMM's mma tiles of 64 rows per (expert, M tile) work item
 (gate/up: SiLU(g) * u in its epilogue).
@@ -262,7 +263,7 @@ _KERNEL_OVERRIDE: str | None = None
 # measured within 1% of each other on the three models' experts at T = 4 and 16).
 _STREAM_MIN_RUN = 8
 # Launches with at least this many busy-expert slots (min(E, rows)) run the stream kernel
-# (k <= 4): both launches of a MoE layer then get the same kernel.
+# (``stream_serves``): both launches of a MoE layer then get the same kernel.
 _STREAM_MIN_SLOTS = 16
 
 
@@ -285,9 +286,8 @@ def _choose_kernel(k: int, slots: int, busy_bound: int, rows: int = 0, N: int = 
     CTAs start while the kernel before runs and prefetch their weights; the stream kernel's
     CTA holds a whole SM's shared memory. The rule depends on the rows, not on bytes, so
     that gate_up and down agree: a grid launch after a stream launch measured slow (GLM
-    T = 4, k = 3: 63 against 38 us; its CTAs pile onto the SMs freed first). k = 5 (no pair
-    table: one quad per CTA) measured equal or slower on the stream kernel (Qwen T = 4 57
-    against 53)."""
+    T = 4, k = 3: 63 against 38 us; its CTAs pile onto the SMs freed first). k = 5: see
+    ``stream_serves``."""
     fits = slots <= _MAX_STREAM_SLOTS
     gemm_fits = N % 8 == 0  # (its 16-byte output stores start every expert's rows)
     if _KERNEL_OVERRIDE is not None:  # (tests: one kernel wherever it can serve)
@@ -296,7 +296,21 @@ def _choose_kernel(k: int, slots: int, busy_bound: int, rows: int = 0, N: int = 
         return _KERNEL_OVERRIDE if fits else "grid"
     if gemm_fits and rows >= _GEMM_MIN_ROWS_PER_EXPERT * busy_bound:
         return "gemm"
-    return "stream" if fits and k <= 4 and busy_bound >= _STREAM_MIN_SLOTS else "grid"
+    return "stream" if fits and stream_serves(k) and busy_bound >= _STREAM_MIN_SLOTS else "grid"
+
+
+def stream_serves(k: int) -> bool:
+    """Whether the stream kernel is the one for k's busy launches: with a shared-memory pair
+    table. k = 5 has one on sm_90 (128 KB, 3 quads per CTA), where it measured faster than
+    the grid kernel (``python -m perf.moe_kernel_check --T 1 4 16 --kernels stream grid
+    --time-k 5 --model qwen3-coder-next deepseek-v2-lite glm-4.7-flash``, overlapped chains,
+    us, T = 4 / 16: Qwen3-Coder-Next 46.5 / 125.4 against 49.9 / 140.6, DeepSeek-V2-Lite
+    58.0 / 122.3 against 67.9 / 138.8, GLM-4.7-Flash 43.9 / 110.0 against 53.9 / 126.0;
+    session 28); on sm_80 it looks up by shuffles in CTAs of one quad, which measured equal or
+    slower (Qwen T = 4 57 against 53, session 7)."""
+    from .kernels.gemv import default_lookup
+
+    return k <= 4 or default_lookup(k) == "pair_table5"
 
 
 def stream_slots(R: int, E: int) -> int:

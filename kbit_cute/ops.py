@@ -345,7 +345,11 @@ def gemv_variant(k: int, m_bucket: int, N: int, K: int, sm_count: int):
     at the rows buckets ``MORE_QUADS_M`` where the split rule wants more than
     ``MORE_QUADS_FROM`` workers per SM (measured)."""
     from .kernels.gemv import (
-        MORE_QUADS_FROM, MORE_QUADS_M, MORE_QUADS_STAGES, GemvKernel, gemv_lookup,
+        MORE_QUADS_FROM,
+        MORE_QUADS_M,
+        MORE_QUADS_STAGES,
+        GemvKernel,
+        gemv_lookup,
     )  # fmt: skip
 
     lookup = gemv_lookup(k, N, K)

@@ -534,6 +534,20 @@ def test_choose_kernel_by_rows_per_expert(R, E, N, want):
     assert _choose_kernel(4, stream_slots(R, E), min(E, R), R, N) == want
 
 
+@pytest.mark.parametrize("arch, want", [("sm_90a", "stream"), ("sm_80", "grid")])
+def test_k5_takes_the_stream_kernel_where_it_has_a_table(arch, want, monkeypatch):
+    """k = 5's busy launches (Qwen3-Coder-Next T = 4: 40 experts) run the stream kernel
+    where its 128 KB pair table serves (sm_90), the grid kernel on sm_80 (shuffles); k = 4
+    the stream kernel on both. T = 1 (10 experts) the grid kernel."""
+    from kbit_cute import compile as kc
+    from kbit_cute.grouped_ops import _choose_kernel, stream_slots
+
+    monkeypatch.setattr(kc, "_arch", arch)
+    assert _choose_kernel(5, stream_slots(40, 512), 40, 40, 1024) == want
+    assert _choose_kernel(4, stream_slots(40, 512), 40, 40, 1024) == "stream"
+    assert _choose_kernel(5, stream_slots(10, 512), 10, 10, 1024) == "grid"
+
+
 @pytest.mark.parametrize("k", [2, 3, 5])
 @pytest.mark.parametrize("inter", [64, 128, 192, 320])
 def test_gate_up_source_gathers_gate_and_up_half_tiles(k, inter):

@@ -526,7 +526,7 @@ class GroupedStreamKernel(GemvKernel):
     equal runs, one per quad of warps: ``strips x s`` runs (an s-way split-K) when the
     strips are fewer than the resident quads, else one run per quad, crossing strips. So
     every SM gets the same share of the weights whatever the routing, and the quads of a
-    CTA share the GEMV's 64 KB pair table (k <= 4). Partial strips are summed by their last
+    CTA share the GEMV's pair table (k = 5: 128 KB, sm_90). Partial strips are summed by their last
     worker in worker order (bit-identical run to run), as in the GEMV.
     """
 
@@ -537,13 +537,11 @@ class GroupedStreamKernel(GemvKernel):
     REGISTER_LOOKUP_QUADS = 1  # k = 5: one quad per CTA (measured with it)
 
     def __init__(self, k: int, dtype: type[cutlass.Numeric], gate_up: bool, stages=None):
-        # Quads per CTA: at most 6 (80 registers); k = 2, 3 spilled there: 5 (96).
+        # Quads per CTA: at most 6 (80 registers); k = 2, 3 spilled there: 5 (96). k = 5 on
+        # sm_90 looks up in the GEMV's 128 KB pair_table5, which leaves room for 3 (with
+        # 2 stages 4: slower, session 28); on sm_80 by shuffles, one quad per CTA.
         self.MAX_QUADS = 6 if k >= 4 else 5
-        # (k = 5: register lookups, as measured here; the GEMV's 128 KB pair_table5 is not)
-        lookup = LOOKUP[k] if k == 5 else None
-        super().__init__(
-            k, ROWS_PER_PASS, dtype, stages, lookup=lookup, extra_smem=8 * MAX_SLOTS + 64
-        )
+        super().__init__(k, ROWS_PER_PASS, dtype, stages, extra_smem=8 * MAX_SLOTS + 64)
         self.gate_up = gate_up
 
     @cute.jit
