@@ -277,8 +277,9 @@ _GEMM_MIN_ROWS_PER_EXPERT = 16
 
 
 def _choose_kernel(k: int, slots: int, busy_bound: int, rows: int = 0, N: int = 0) -> str:
-    """GroupedStreamKernel for k <= 4 where up to ``busy_bound`` >= 16 experts are busy and
-    its slot table holds the launch, else GroupedGemvKernel. Measured on the H100
+    """GroupedStreamKernel where it serves k (``stream_serves``), up to ``busy_bound`` >= 16
+    experts are busy and its slot table holds the launch, else GroupedGemvKernel. Measured
+    on the H100
     (``python -m perf.moe_kernel_check --model qwen3-coder-next deepseek-v2-lite
     glm-4.7-flash --T 1 4 16 --kernels stream grid``, overlapped chains, us): k = 4, T = 4 /
     16: Qwen3-Coder-Next 38 / 107 against 45 / 121, DeepSeek-V2-Lite 47 / 103 against 59 /
@@ -338,7 +339,9 @@ def grid_plan(
     # The decode ring (and table) also serve launches larger than the prefetch limit that
     # touch few experts (the grid kernel by the busy-expert rule, k <= 4: T = 2, 3): at
     # T = 2, k = 4, GLM-4.7-Flash 37.5 -> 29.4 us, DeepSeek-V2-Lite 49.8 -> 32.9
-    # (``python -m perf.moe_kernel_check --T 2 --stages 0 5``).
+    # (``python -m perf.moe_kernel_check --T 2 --stages 0 5``). k = 5 keeps the default ring
+    # there (not measured with the decode ring since its busy launches moved to the stream
+    # kernel, session 28).
     small = _is_decode_launch(gate_up, slots, expert_bytes)
     few = k <= 4 and slots < _STREAM_MIN_SLOTS
     stages = stages or (_DECODE_STAGES if small or few else None)

@@ -28,7 +28,7 @@ def main() -> None:
         if args.only:
             names = set(args.only)
         for i, name in enumerate(sorted(names)):
-            dtype = (torch.float16, torch.bfloat16)[i % 2]
+            dtype = (torch.float16, torch.bfloat16)[(i + k) % 2]  # (one name: both over k)
             A = torch.randn(37, K, device="cuda", dtype=dtype)
             out = torch.empty(37, N, device="cuda", dtype=dtype)
             for splits, workers, det in ((1, None, True), (3, None, True), (3, None, False),

@@ -159,8 +159,14 @@ def _flat(mode):
 def test_other_tile_configs_compile(k, dtype, name):
     """TILE_N = 256, TILE_K = 128, warps_m = 2, wgmma and warp-specialized tilings (not all
     in the dispatch table) compile."""
+    from kbit_cute.kernels.gemm_wgmma import WgmmaGemmKernel
+    from kbit_cute.kernels.gemm_ws import WsGemmKernel
+
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    fn, args = g.gemm_spec(k, dtype, g.GemmConfig.parse(name)).build()
+    cfg = g.GemmConfig.parse(name)
+    fn, args = g.gemm_spec(k, dtype, cfg).build()
+    want = WsGemmKernel if cfg.specialized else WgmmaGemmKernel if cfg.wgmma else g.GemmKernel
+    assert type(fn) is want
     assert cute.compile(fn, *args) is not None
 
 

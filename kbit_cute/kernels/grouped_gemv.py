@@ -3,11 +3,12 @@
 Two kernels share the GEMV's mainloop (``GemvKernel``): ``GroupedStreamKernel`` (below the
 first) runs the GEMV's stream-K schedule over (expert pass, column group, K tile) units,
 with quads of warps sharing the pair table, and serves launches of 16 or more experts
-(decode at T >= 4, k <= 4); ``GroupedGemvKernel``, one small CTA per work item, serves the small
-launches (T = 1: its CTAs start early and prefetch, see Overlap) and the large ones whose
-work slots overflow the stream kernel's table; it looks up in registers or (``table``, the
-larger decode launches) in a GEMV lookup table of its own. Launches of many rows per
-expert go to ``grouped_gemm.GroupedGemmKernel``. ``kbit_cute.grouped_ops`` picks.
+(decode at T >= 4; k = 5 only on sm_90, where its 128 KB table fits); ``GroupedGemvKernel``,
+one small CTA per work item, serves the small launches (T = 1: its CTAs start early and
+prefetch, see Overlap) and the large ones whose work slots overflow the stream kernel's
+table; it looks up in registers or (``table``, the larger decode launches) in a GEMV lookup
+table of its own. Launches of many rows per expert go to ``grouped_gemm.GroupedGemmKernel``.
+``kbit_cute.grouped_ops`` picks.
 
 ``out[rows of e] = A[rows of e] @ W_e^T`` for the E stacked weights of a ``KbitExperts``,
 rows sorted by expert, ``expert_offsets`` [E + 1] on the device. The per-expert work is the
@@ -526,15 +527,15 @@ class GroupedStreamKernel(GemvKernel):
     equal runs, one per quad of warps: ``strips x s`` runs (an s-way split-K) when the
     strips are fewer than the resident quads, else one run per quad, crossing strips. So
     every SM gets the same share of the weights whatever the routing, and the quads of a
-    CTA share the GEMV's pair table (k = 5: 128 KB, sm_90). Partial strips are summed by their last
-    worker in worker order (bit-identical run to run), as in the GEMV.
+    CTA share the GEMV's pair table (k = 5: 128 KB on sm_90; on sm_80 shuffles, one quad
+    per CTA, and the dispatch keeps k = 5 on the grid kernel there). Partial strips are
+    summed by their last worker in worker order (bit-identical run to run), as in the GEMV.
     """
 
     WIDE_RUNS = True  # its unit count depends on the routing
     # Not yet on the polled hand-over: an owner's sum needs the strip's epilogue from the slot
     # table (gather_owned_strips takes the GEMV's), and its 8-row slots allow 2 per round.
     POLLED_HANDOVER = False
-    REGISTER_LOOKUP_QUADS = 1  # k = 5: one quad per CTA (measured with it)
 
     def __init__(self, k: int, dtype: type[cutlass.Numeric], gate_up: bool, stages=None):
         # Quads per CTA: at most 6 (80 registers); k = 2, 3 spilled there: 5 (96). k = 5 on
