@@ -337,13 +337,14 @@ def grid_plan(
     ``GroupedGemvKernel`` launch of ``slots`` experts x ``groups`` column groups; explicit
     ``stages`` / ``splits`` are kept."""
     # The decode ring (and table) also serve launches larger than the prefetch limit that
-    # touch few experts (the grid kernel by the busy-expert rule, k <= 4: T = 2, 3): at
+    # touch few experts (the grid kernel by the busy-expert rule: T = 2, 3): at
     # T = 2, k = 4, GLM-4.7-Flash 37.5 -> 29.4 us, DeepSeek-V2-Lite 49.8 -> 32.9
-    # (``python -m perf.moe_kernel_check --T 2 --stages 0 5``). k = 5 keeps the default ring
-    # there (not measured with the decode ring since its busy launches moved to the stream
-    # kernel, session 28).
+    # (``python -m perf.moe_kernel_check --T 2 --stages 0 5``); k = 5 (session 28, ``--T 2 3
+    # --time-k 5 --kernels grid --stages 0 5``, two passes, us): GLM-4.7-Flash T = 2 39.5 /
+    # 40.4 -> 37.5 / 37.7, DeepSeek-V2-Lite T = 2 50.3 / 50.6 -> 48.7 / 49.0, T = 3 55.5 /
+    # 55.7 -> 54.0 / 54.5, Qwen3-Coder-Next equal.
     small = _is_decode_launch(gate_up, slots, expert_bytes)
-    few = k <= 4 and slots < _STREAM_MIN_SLOTS
+    few = slots < _STREAM_MIN_SLOTS
     stages = stages or (_DECODE_STAGES if small or few else None)
     table = k <= 4 and stages == _DECODE_STAGES
     if _GRID_TABLE is None:

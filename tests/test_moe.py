@@ -466,7 +466,7 @@ def test_grouped_ops_mirrors_the_kernel_constants():
 
 
 # (model, T, k) -> (gate_up launch: slots, N = 2 I, K), (stages, table, splits) expected:
-# the decode ring for launches of few experts, the table where the layer's gate_up experts
+# the decode ring for launches of few experts (every k), the table where the layer's gate_up experts
 # hold >= 10 MiB (k <= 4), K splits as many as CTAs fit the SMs (2 per SM with the table).
 GRID_PLANS = {
     ("qwen3-coder-next", 1, 2): ((10, 1024, 2048), (5, False, 4)),
@@ -475,7 +475,7 @@ GRID_PLANS = {
     ("glm-4.7-flash", 1, 4): ((4, 3072, 2048), (5, True, 2)),
     ("deepseek-v2-lite", 1, 4): ((6, 2816, 2048), (5, True, 2)),
     ("deepseek-v2-lite", 2, 4): ((12, 2816, 2048), (5, True, 1)),  # 35 MB: no prefetch
-    ("deepseek-v2-lite", 2, 5): ((12, 2816, 2048), (None, False, 1)),
+    ("deepseek-v2-lite", 2, 5): ((12, 2816, 2048), (5, False, 1)),  # few experts: the ring
     ("qwen3-coder-next", 1, 5): ((10, 1024, 2048), (5, False, 4)),
     ("deepseek-v2-lite", 1, 5): ((6, 2816, 2048), (5, False, 2)),  # 3 (not a power of 2): slower
 }
