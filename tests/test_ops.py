@@ -478,6 +478,10 @@ def test_kbit_linear_takes_the_hot_path(fake_gpu, gen):
         (2048, 5120, 8),  # 40 column tiles: runs of >= 4 tiles
         (2048, 8192, 4),  # many columns, K <= 32 tiles: 4 splits
         (8192, 28672, 4),  # many columns, long K: runs of >= 16 tiles, ~6 runs per SM
+        (4096, 8192, 8),  # runs of >= 8 tiles where that makes <= 4 runs per SM (512)
+        (6144, 8192, 8),
+        (4096, 11008, 4),  # (8 splits: 688 runs, 5.2 per SM)
+        (8192, 8192, 8),
         (4096, 14336, 4),
         (14336, 4096, 16),
     ],
@@ -507,6 +511,8 @@ def test_gemv_splits_rule(K, N, splits):
         (14336, 4096, 8, 8),  # M = 8: at most 8 (the owner's rounds hold 2 slots)
         (2048, 512, 8, 8),
         (4096, 14336, 8, 4),
+        (4096, 8192, 4, 8),
+        (4096, 8192, 8, 4),  # M = 8 (3 quads per SM at k = 5): runs of 16 tiles
     ],
 )
 def test_gemv_splits_by_rows(K, N, m_bucket, splits):
