@@ -305,9 +305,7 @@ def gemv_splits(N: int, K: int, sm_count: int, m_bucket: int = 1) -> int:
     if n_tiles >= 64:
         if k_tiles < 16:
             return 1
-        if k_tiles > 32:
-            return _long_k_splits(n_tiles, k_tiles, sm_count, max_splits, m_bucket)
-        min_kt, max_splits = 4, 4
+        min_kt, max_splits = (16, max_splits) if k_tiles > 32 else (4, 4)
     elif n_tiles <= 4:
         min_kt = 2
     elif k_tiles <= 8:
@@ -324,26 +322,20 @@ def gemv_splits(N: int, K: int, sm_count: int, m_bucket: int = 1) -> int:
         if few_runs:
             max_splits = 8  # (m_bucket 8's cap already)
     want = min(-(-6 * sm_count // n_tiles), k_tiles // min_kt, max_splits)
-    return 1 << (max(want, 1).bit_length() - 1)
-
-
-def _long_k_splits(
-    n_tiles: int, k_tiles: int, sm_count: int, max_splits: int, m_bucket: int
-) -> int:
-    """``gemv_splits`` for >= 64 column tiles over > 32 K tiles: runs of >= 16 K tiles, about
-    6 per SM; or, at M <= 4, twice the splits (runs of >= 8 K tiles) where those still come
-    to at most 4 runs per SM, which every variant of those buckets holds in one wave (k = 5
-    at M = 4: 4 quads per SM; at M = 8 3, not measured).
-    Session 28 (``python -m perf.gemv_kernel_check --workers auto s2 s4 s8 --k 2 4 5 --m 1
-    4``, best of two passes, us, k = 2 / 4 / 5, 4 -> 8 splits): 4096x8192 M = 1 8.13 / 9.09 /
-    11.13 -> 7.45 / 8.58 / 10.81, M = 4 8.29 / 9.46 / 11.24 -> 8.14 / 9.06 / 11.86; 6144x8192
-    M = 1 10.78 / 12.36 / 15.45 -> 9.51 / 11.48 / 14.66, M = 4 10.94 / 12.85 / 15.69 -> 10.43
-    / 12.04 / 15.41. Where doubling passes 4 per SM it lost: 4096x11008 (86 tiles) k = 2 M = 1
-    9.45 -> 9.93, 4096x14336 (112 tiles, session 27) k = 4 M = 1 13.26 -> 13.51; 4096x16384 and
-    8192x8192 keep theirs."""
-    splits = 1 << (min(-(-6 * sm_count // n_tiles), k_tiles // 16, max_splits).bit_length() - 1)
-    doubled = 2 * splits <= min(k_tiles // 8, max_splits) and n_tiles * 2 * splits <= 4 * sm_count
-    if doubled and m_bucket <= 4 and k_tiles >= 64:  # (K of 33..63 tiles: not measured)
+    splits = 1 << (max(want, 1).bit_length() - 1)
+    # >= 64 column tiles over >= 64 K tiles at M <= 4: twice the splits (runs of >= 8 K
+    # tiles) where they still make at most 4 runs per SM, which every variant of those
+    # buckets holds in one wave (k = 5 at M = 4: 4 quads per SM; at M = 8 3, not measured;
+    # K of 33..63 tiles not measured). Session 28 (``python -m perf.gemv_kernel_check
+    # --workers auto s2 s4 s8 --k 2 4 5 --m 1 4``, best of two passes, us, k = 2 / 4 / 5,
+    # 4 -> 8 splits): 4096x8192 M = 1 8.13 / 9.09 / 11.13 -> 7.45 / 8.58 / 10.81, M = 4
+    # 8.29 / 9.46 / 11.24 -> 8.14 / 9.06 / 11.86; 6144x8192 M = 1 10.78 / 12.36 / 15.45 ->
+    # 9.51 / 11.48 / 14.66, M = 4 10.94 / 12.85 / 15.69 -> 10.43 / 12.04 / 15.41. Where
+    # doubling passes 4 per SM it lost: 4096x11008 (86 tiles) k = 2 M = 1 9.45 -> 9.93,
+    # 4096x14336 (112 tiles, session 27) k = 4 M = 1 13.26 -> 13.51; 4096x16384 and
+    # 8192x8192 keep theirs.
+    long_k = n_tiles >= 64 and k_tiles >= 64 and m_bucket <= 4
+    if long_k and 2 * splits <= max_splits and 2 * splits * n_tiles <= 4 * sm_count:
         splits *= 2
     return splits
 
@@ -371,13 +363,13 @@ def gemv_variant(k: int, m_bucket: int, N: int, K: int, sm_count: int):
         MORE_QUADS_FROM,
         MORE_QUADS_M,
         MORE_QUADS_STAGES,
-        GemvKernel,
+        default_lookup,
         gemv_lookup,
     )  # fmt: skip
 
     lookup = gemv_lookup(k, N, K)
-    kernel = GemvKernel(k, m_bucket, None, lookup=lookup)
-    if kernel.high_plane and m_bucket in MORE_QUADS_M and k in MORE_QUADS_STAGES:
+    table5 = (lookup or default_lookup(k)) == "pair_table5"
+    if table5 and m_bucket in MORE_QUADS_M and k in MORE_QUADS_STAGES:
         want = -(-N // 128) * gemv_splits(N, K, sm_count, m_bucket)
         if want > sm_count * MORE_QUADS_FROM:
             return lookup, MORE_QUADS_STAGES[k]

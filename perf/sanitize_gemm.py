@@ -22,11 +22,15 @@ def main() -> None:
     K, N = 1056, 1000
     for k in (2, 3, 4, 5):
         qw = kbit_cute.quantize(torch.randn(N, K, device="cuda"), k)
-        names = {c.name for c in gd.table_configs(k)} | {"m16n128k64s4w1x4l", "m64n128k64s3w1x4"}
-        if k <= 4:
-            names.add("m32n128k64s4w1x4r")
         if args.only:
             names = set(args.only)
+        else:
+            names = {c.name for c in gd.table_configs(k)} | {
+                "m16n128k64s4w1x4l",
+                "m64n128k64s3w1x4",
+            }
+            if k <= 4:
+                names.add("m32n128k64s4w1x4r")
         for i, name in enumerate(sorted(names)):
             dtype = (torch.float16, torch.bfloat16)[(i + k) % 2]  # (one name: both over k)
             A = torch.randn(37, K, device="cuda", dtype=dtype)

@@ -466,8 +466,9 @@ def test_grouped_ops_mirrors_the_kernel_constants():
 
 
 # (model, T, k) -> (gate_up launch: slots, N = 2 I, K), (stages, table, splits) expected:
-# the decode ring for launches of few experts (every k), the table where the layer's gate_up experts
-# hold >= 10 MiB (k <= 4), K splits as many as CTAs fit the SMs (2 per SM with the table).
+# the decode ring for launches of few experts (every k), the table where the layer's gate_up
+# experts hold >= 10 MiB (k <= 4), K splits as many as CTAs fit the SMs (2 per SM with the
+# table).
 GRID_PLANS = {
     ("qwen3-coder-next", 1, 2): ((10, 1024, 2048), (5, False, 4)),
     ("qwen3-coder-next", 1, 4): ((10, 1024, 2048), (5, True, 3)),

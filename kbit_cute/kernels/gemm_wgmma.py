@@ -81,11 +81,17 @@ class WgmmaGemmKernel(GemmKernel):
 
     def b_smem_tensor(self, base_u8):
         """The A ring (``a_smem_layout``'s bytes) as wgmma's B operand: the same 8 x 64
-        atoms with the swizzle on the pointer, which is how descriptors are made."""
+        atoms."""
         cfg = self.cfg
+        return self.sw128_tensor(base_u8 + self.plan["a"], (cfg.tile_m, cfg.tile_k, cfg.stages))
+
+    def sw128_tensor(self, ptr_u8, shape):
+        """``shape`` = (rows, K, buffers) of the activation dtype at ``ptr_u8`` in wgmma's
+        128-byte swizzled K-major layout, the swizzle on the pointer (how descriptors are
+        made)."""
         atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
-        layout = cute.tile_to_shape(atom, (cfg.tile_m, cfg.tile_k, cfg.stages), (0, 1, 2))
-        ptr = cute.recast_ptr(base_u8 + self.plan["a"], layout.inner, dtype=self.dtype)
+        layout = cute.tile_to_shape(atom, shape, (0, 1, 2))
+        ptr = cute.recast_ptr(ptr_u8, layout.inner, dtype=self.dtype)
         return cute.make_tensor(ptr, layout.outer)
 
     @cute.jit

@@ -80,19 +80,17 @@ class WsGemmKernel(WgmmaGemmKernel):
 
     @cute.jit
     def build_pair_table(self, pCodebook: cute.Pointer, sTable_u8):
-        """Built by the first producer group; ``tile`` syncs the CTA before its use."""
+        """Built by the first producer group, for every producer (a CTA barrier: the
+        producers of other groups read it from their first slice on)."""
         tidx, _, _ = cute.arch.thread_idx()
         if tidx >= self.threads and tidx < 2 * self.threads:
             GemmKernel.build_pair_table(self, pCodebook, sTable_u8)
+        cute.arch.sync_threads()
 
     def h_smem_tensor(self, base_u8):
-        """The dequantized weight tiles (TILE_N, TILE_K, WEIGHT_TILES), 128-byte swizzled
-        K-major (wgmma's A operand; the swizzle on the pointer, as descriptors want it)."""
+        """The dequantized weight tiles (TILE_N, TILE_K, WEIGHT_TILES), wgmma's A operand."""
         cfg = self.cfg
-        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
-        layout = cute.tile_to_shape(atom, (cfg.tile_n, cfg.tile_k, WEIGHT_TILES), (0, 1, 2))
-        ptr = cute.recast_ptr(base_u8 + self.plan["h"], layout.inner, dtype=self.dtype)
-        return cute.make_tensor(ptr, layout.outer)
+        return self.sw128_tensor(base_u8 + self.plan["h"], (cfg.tile_n, cfg.tile_k, WEIGHT_TILES))
 
     def make_ss_tiled_mma(self):
         """wgmma m64 x tile_m x k16 with both operands in shared memory."""
@@ -107,8 +105,8 @@ class WsGemmKernel(WgmmaGemmKernel):
         self, base_u8, pA, pPacked, pAbsmax, pScale, pBias, pOut, pWorkspace, pCounters,
         M, N, K, has_bias, atomic, m_cta, n_cta, tile, kt_begin, kt_end, handover,
     ):  # fmt: skip
-        # The pair table (first tile) or the previous tile's epilogue is done.
-        cute.arch.sync_threads()
+        # (``kernel`` syncs the CTA after each tile: the epilogue's staging tile overlays
+        # the ring the next tile's copies fill.)
         n_iter = kt_end - kt_begin
         group = cute.arch.warp_idx() // (self.threads // 32) - 1  # -1: the MMA warps
         if group >= 0:
@@ -123,11 +121,11 @@ class WsGemmKernel(WgmmaGemmKernel):
             tidx, _, _ = cute.arch.thread_idx()
             thr_mma = tiled_mma.get_slice(tidx)
             cfg = self.cfg
-            sA = cute.make_tensor(base_u8, cute.make_layout((cfg.tile_n, cfg.tile_m)))
-            tCrC = tiled_mma.make_fragment_C(thr_mma.partition_C(sA))
+            stand_in = cute.make_tensor(base_u8, cute.make_layout((cfg.tile_n, cfg.tile_m)))
+            tCrC = tiled_mma.make_fragment_C(thr_mma.partition_C(stand_in))
             tCrC.fill(0.0)
             self.consume(base_u8, tiled_mma, thr_mma, tCrC, n_iter)
-            sA, sW, sS, sTable_u8, sFlag = self.smem_views(base_u8)
+            sFlag = self.smem_views(base_u8)[4]
             self.epilogue(
                 thr_mma, tCrC, base_u8, sFlag, pScale, pBias, pOut, pWorkspace, pCounters,
                 M, N, has_bias, atomic, m_cta, n_cta, tile, handover,
