@@ -376,14 +376,63 @@ def gemv_variant(k: int, m_bucket: int, N: int, K: int, sm_count: int):
     return lookup, None
 
 
+def busiest_sm_tiles(n_tiles: int, k_tiles: int, splits: int, sm_count: int) -> int:
+    """K tiles the busiest SM streams with ``splits`` runs per column tile: its quads (the
+    workers spread over the SMs) times the longest run."""
+    return -(-n_tiles * splits // sm_count) * -(-k_tiles // splits)
+
+
+# A split count above the rule's is taken where it cuts the busiest SM's K tiles
+# (``busiest_sm_tiles``) to this share or less, with runs of at least BALANCE_MIN_RUN tiles
+# and at most BALANCE_MAX_RUNS runs per SM.
+BALANCE_GAIN = 0.92
+BALANCE_MIN_RUN = 4
+BALANCE_MAX_RUNS = 5
+
+
+def balanced_splits(
+    n_tiles: int, k_tiles: int, splits: int, sm_count: int, resident: int, m_bucket: int
+) -> int:
+    """``gemv_splits``'s count, or a larger one (not a power of two) that spreads the K tiles
+    more evenly over the SMs: the powers of two leave some shapes a wave of few or uneven
+    runs, e.g. 72-80 column tiles over 40-48 K tiles took 2 splits (runs of >= 16 tiles).
+    Session 29 (``.dev`` script over the library's variants, two passes alternating, us, the
+    rule's count -> this one; 123 points of 13 shapes x k = 2..5 x M = 1 / 2 / 4 changed, geomean
+    1.157x, one 0.99x): 3072x9216 (2 -> 7 splits) k = 4 M = 1 11.13 -> 7.70, 2560x9728 (2 -> 5)
+    9.58 -> 7.02, 2560x10240 (2 -> 8) 9.63 -> 7.40, 3584x18944 (2 -> 4) 16.68 -> 15.09,
+    4096x11008 (4 -> 6) 11.16 -> 10.66, 5120x13824 (4 -> 6) 16.04 -> 15.54, 3584x3584 (8 -> 14)
+    5.40 -> 5.05, 18432x7168 (8 -> 9) k = 3 25.86 -> 23.43. Bounds, measured: at most 5 runs
+    per SM (4096x14336 at 8 splits, 6.8 per SM, lost 1.5-4% at k = 4 though its busiest SM
+    streams 56 tiles instead of 64), one polling round of the rows bucket (``POLL_WORKERS``:
+    3584x3584 at M = 4 lost 4-5% to a second round at 14 splits), one wave of ``resident``
+    quads (k = 5 at M = 4 holds 4 per SM: 3584x18944 takes 3 splits, 22.59 -> 21.20), runs of
+    >= ``BALANCE_MIN_RUN`` tiles, M <= 4 (M = 8 not measured)."""
+    from .kernels.gemv import POLL_WORKERS
+
+    if m_bucket > 4:
+        return splits
+    limit = min(
+        POLL_WORKERS[m_bucket],
+        min(resident, BALANCE_MAX_RUNS * sm_count) // n_tiles,
+        k_tiles // BALANCE_MIN_RUN,
+    )
+    bound = BALANCE_GAIN * busiest_sm_tiles(n_tiles, k_tiles, splits, sm_count)
+    best, best_tiles = splits, None
+    for s in range(splits + 1, limit + 1):  # the fewest splits of the lowest count
+        tiles = busiest_sm_tiles(n_tiles, k_tiles, s, sm_count)
+        if tiles <= bound and (best_tiles is None or tiles < best_tiles):
+            best, best_tiles = s, tiles
+    return best
+
+
 # ``kernel_grid`` takes the fewest (full) CTAs where they fill at least this share of the slots.
 FULL_CTAS_FILL = 0.95
 
 
 def kernel_grid(kernel, N: int, K: int, sm_count: int, workers: int | None = None):
-    """(workers, CTAs) of a ``GemvKernel``: column tiles x ``gemv_splits`` workers unless
-    given, as many splits as fit the resident quads (one wave; the kernel's CTAs per SM
-    come from its CTA size, registers and shared memory)."""
+    """(workers, CTAs) of a ``GemvKernel``: column tiles x ``gemv_splits`` workers (evened
+    out by ``balanced_splits``) unless given, as many splits as fit the resident quads (one
+    wave; the kernel's CTAs per SM come from its CTA size, registers and shared memory)."""
     from .kernels.device_helpers import check_run_bounds
     from .kernels.gemv import MAX_A_BYTES
 
@@ -391,8 +440,10 @@ def kernel_grid(kernel, N: int, K: int, sm_count: int, workers: int | None = Non
     n_tiles = -(-N // 128)
     units = n_tiles * -(-K // 64)
     if not workers:
+        resident = slots * kernel.quads  # quads of one wave
         splits = gemv_splits(N, K, sm_count, kernel.m)
-        workers = n_tiles * max(1, min(splits, slots * kernel.quads // n_tiles))
+        splits = balanced_splits(n_tiles, -(-K // 64), splits, sm_count, resident, kernel.m)
+        workers = n_tiles * max(1, min(splits, resident // n_tiles))
     workers = min(workers, units)
     # Quads of a CTA take workers ctas apart: one CTA per slot, or as few as hold them all.
     fewest = -(-workers // kernel.quads)

@@ -113,6 +113,29 @@ def test_gemv_leaves_every_split_slot_empty(M, weights):
         assert (slots.view(torch.int32) == -1).all(), (K, N, k, workers)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("k", KS)
+def test_gemv_balanced_splits_match_reference(k, dtype):
+    """Shapes whose split count ``ops.balanced_splits`` raises past the power-of-two rule
+    (3584x3584: 8 -> 14 at M = 1; 2560x9728: 2 -> 5 at M = 1..4), through ``kbit_cute.gemm``
+    twice per M (the slots left empty for the next call)."""
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    for K, N in [(3584, 3584), (2560, 9728)]:
+        qw = kbit_cute.quantize(torch.randn(N, K, device="cuda") * 0.05, k)
+        for M in (1, 2, 4):
+            m = ops._M_BUCKET[M]
+            workers, _ = ops.gemv_grid(k, m, dtype, N, K, sm)
+            n_tiles = -(-N // 128)
+            if sm == 132 and (M == 1 or K == 2560):
+                assert workers != n_tiles * ops.gemv_splits(N, K, sm, m), "not balanced"
+            for _ in range(2):
+                A = torch.randn(M, K, device="cuda", dtype=dtype)
+                out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+                got = kbit_cute.gemm(A, qw, out=out)
+                assert not torch.isnan(got).any(), (K, N, M)
+                assert rel_err(got, reference(A, qw)) < TOL[dtype], (K, N, M)
+
+
 def test_gemm_large_m_falls_back_correctly(weights):
     qw = weights[(1056, 1000, 3)]
     A = torch.randn(37, 1056, device="cuda", dtype=torch.float16)

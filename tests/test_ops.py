@@ -520,6 +520,56 @@ def test_gemv_splits_by_rows(K, N, m_bucket, splits):
     assert ops.gemv_splits(N, K, 132, m_bucket) == splits
 
 
+@pytest.mark.parametrize(
+    "K,N,k,m_bucket,splits",
+    [
+        (3584, 18944, 4, 1, 4),  # 148 column tiles over 56 K tiles: 2 -> 4
+        (3584, 18944, 5, 4, 3),  # (k = 5 at M = 4: 4 quads per SM, 528 in a wave)
+        (2560, 9728, 4, 1, 5),
+        (3072, 9216, 2, 4, 7),
+        (3584, 3584, 4, 1, 14),
+        (3584, 3584, 4, 4, 8),  # (14 slots are two polling rounds at M = 4)
+        (4096, 11008, 4, 4, 6),
+        (4096, 14336, 4, 1, 4),  # (8 splits: 6.8 runs per SM, measured slower)
+        (14336, 4096, 4, 1, 16),  # (the rule's cap)
+        (28672, 8192, 4, 1, 8),  # (14 splits: the busiest SM streams as many tiles)
+        (8192, 28672, 4, 1, 4),
+        (3584, 18944, 4, 8, 2),  # (M = 8: the rule's count)
+    ],
+)
+def test_gemv_grid_balances_splits(K, N, k, m_bucket, splits):
+    """``ops.balanced_splits`` on a 132-SM H100: the measured shapes whose power-of-two count
+    left a wave of few or uneven runs take more splits; the others keep the rule's."""
+    workers, _ = ops.gemv_grid(k, m_bucket, torch.float16, N, K, 132)
+    assert workers == -(-N // 128) * splits
+
+
+def test_balanced_splits_stay_in_bounds():
+    """Over a sweep of shapes the balanced count is never below the rule's, and never past
+    one wave of resident quads, five runs per SM, one polling round or runs of
+    ``BALANCE_MIN_RUN`` tiles; where it moves, the busiest SM streams fewer tiles."""
+    from kbit_cute.kernels.gemv import POLL_WORKERS
+
+    moved = 0
+    for n_tiles in range(1, 300, 7):
+        for k_tiles in range(5, 400, 11):
+            for m in (1, 2, 4):
+                for resident in (528, 924):
+                    rule = ops.gemv_splits(n_tiles * 128, k_tiles * 64, 132, m)
+                    got = ops.balanced_splits(n_tiles, k_tiles, rule, 132, resident, m)
+                    assert got >= rule
+                    if got == rule:
+                        continue
+                    moved += 1
+                    assert n_tiles * got <= min(resident, ops.BALANCE_MAX_RUNS * 132)
+                    assert got <= POLL_WORKERS[m]
+                    assert k_tiles // got >= ops.BALANCE_MIN_RUN
+                    before = ops.busiest_sm_tiles(n_tiles, k_tiles, rule, 132)
+                    after = ops.busiest_sm_tiles(n_tiles, k_tiles, got, 132)
+                    assert after <= ops.BALANCE_GAIN * before
+    assert moved > 0
+
+
 def test_gemv_grid_refuses_runs_past_32_bits():
     """The GEMV computes its stream-K run bounds in 32 bits: a weight whose (column tile, K
     tile) units x workers reach 2^32 is refused with a message, not computed wrongly."""
