@@ -384,9 +384,11 @@ def busiest_sm_tiles(n_tiles: int, k_tiles: int, splits: int, sm_count: int) -> 
 
 # A split count above the rule's is taken where it cuts the busiest SM's K tiles
 # (``busiest_sm_tiles``) to this share or less, with runs of at least BALANCE_MIN_RUN tiles
-# and at most BALANCE_MAX_RUNS runs per SM.
+# (longer where it makes more than BALANCE_CROWDED_RUNS runs per SM) and at most
+# BALANCE_MAX_RUNS runs per SM.
 BALANCE_GAIN = 0.92
 BALANCE_MIN_RUN = 4
+BALANCE_CROWDED_RUNS = 3
 BALANCE_MAX_RUNS = 5
 
 
@@ -406,7 +408,12 @@ def balanced_splits(
     streams 56 tiles instead of 64), one polling round of the rows bucket (``POLL_WORKERS``:
     3584x3584 at M = 4 lost 4-5% to a second round at 14 splits), one wave of ``resident``
     quads (k = 5 at M = 4 holds 4 per SM: 3584x18944 takes 3 splits, 22.59 -> 21.20), runs of
-    >= ``BALANCE_MIN_RUN`` tiles, M <= 4 (M = 8 not measured)."""
+    >= ``BALANCE_MIN_RUN`` tiles, and of more than that past 3 runs per SM (runs of 4 tiles
+    gained at 3 per SM or fewer: 1536x1536 M = 2 4 -> 6 splits 3.95 -> 3.32 us, 3584x3584; but
+    lost 0-6% at 3.6 and 4.8 per SM: 3072x5120 8 -> 12, 2048x10240 4 -> 8), M <= 4 (M = 8 not
+    measured). A second sweep of 14 model shapes (Qwen2.5 0.5B-14B, Qwen3-4B, Llama-3.2,
+    Phi-3, Gemma-2: 896x9728 1 -> 3 splits 5.96 -> 4.26 us at k = 4, 896x896 M = 2 2 -> 3 4.05
+    -> 3.49) had 107 of 117 points faster, geomean 1.125x, before those two were excluded."""
     from .kernels.gemv import POLL_WORKERS
 
     if m_bucket > 4:
@@ -420,6 +427,9 @@ def balanced_splits(
     best, best_tiles = splits, None
     for s in range(splits + 1, limit + 1):  # the fewest splits of the lowest count
         tiles = busiest_sm_tiles(n_tiles, k_tiles, s, sm_count)
+        crowded = n_tiles * s > BALANCE_CROWDED_RUNS * sm_count
+        if crowded and k_tiles // s <= BALANCE_MIN_RUN:
+            continue
         if tiles <= bound and (best_tiles is None or tiles < best_tiles):
             best, best_tiles = s, tiles
     return best
