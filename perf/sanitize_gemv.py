@@ -25,6 +25,13 @@ def main() -> None:
                 run_gemv(A, qw, out, 13, None, LOOKUP[k], 1)
             else:  # sm_90's 128 KB table of large k = 5 weights (this small one takes shuffles)
                 run_gemv(A, qw, out, 13, None, "pair_table5")
+    # The library's own grid where ``ops.balanced_splits`` raises the split count (896x896,
+    # M = 2: 2 -> 3 splits of 14 K tiles).
+    K = N = 896
+    for k in (2, 3, 4, 5):
+        qw = kbit_cute.quantize(torch.randn(N, K, device="cuda"), k)
+        A = torch.randn(2, K, device="cuda", dtype=torch.float16)
+        kbit_cute.gemm(A, qw)
     torch.cuda.synchronize()
     print("sanitize_gemv: done")
 
