@@ -390,6 +390,11 @@ BALANCE_GAIN = 0.92
 BALANCE_MIN_RUN = 4
 BALANCE_CROWDED_RUNS = 3
 BALANCE_MAX_RUNS = 5
+# M = 5..8 (rows bucket 8): its owners poll 2 slots per round, so each split past 2 adds a
+# round; there a larger count must cut the busiest SM's tiles to this share, within this
+# many runs per SM and the bucket's 8 splits.
+BALANCE_GAIN_M8 = 0.85
+BALANCE_MAX_RUNS_M8 = 4
 
 
 def balanced_splits(
@@ -398,32 +403,37 @@ def balanced_splits(
     """``gemv_splits``'s count, or a larger one (not a power of two) that spreads the K tiles
     more evenly over the SMs: the powers of two leave some shapes a wave of few or uneven
     runs, e.g. 72-80 column tiles over 40-48 K tiles took 2 splits (runs of >= 16 tiles).
-    Session 29 (``.dev`` script over the library's variants, two passes alternating, us, the
-    rule's count -> this one; 123 points of 13 shapes x k = 2..5 x M = 1 / 2 / 4 changed, geomean
-    1.157x, one 0.99x): 3072x9216 (2 -> 7 splits) k = 4 M = 1 11.13 -> 7.70, 2560x9728 (2 -> 5)
-    9.58 -> 7.02, 2560x10240 (2 -> 8) 9.63 -> 7.40, 3584x18944 (2 -> 4) 16.68 -> 15.09,
-    4096x11008 (4 -> 6) 11.16 -> 10.66, 5120x13824 (4 -> 6) 16.04 -> 15.54, 3584x3584 (8 -> 14)
-    5.40 -> 5.05, 18432x7168 (8 -> 9) k = 3 25.86 -> 23.43. Bounds, measured: at most 5 runs
-    per SM (4096x14336 at 8 splits, 6.8 per SM, lost 1.5-4% at k = 4 though its busiest SM
-    streams 56 tiles instead of 64), one polling round of the rows bucket (``POLL_WORKERS``:
-    3584x3584 at M = 4 lost 4-5% to a second round at 14 splits), one wave of ``resident``
-    quads (k = 5 at M = 4 holds 4 per SM: 3584x18944 takes 3 splits, 22.59 -> 21.20), runs of
-    >= ``BALANCE_MIN_RUN`` tiles, and of more than that past 3 runs per SM (runs of 4 tiles
-    gained at 3 per SM or fewer: 1536x1536 M = 2 4 -> 6 splits 3.95 -> 3.32 us, 3584x3584; but
-    lost 0-6% at 3.6 and 4.8 per SM: 3072x5120 8 -> 12, 2048x10240 4 -> 8), M <= 4 (M = 8 not
-    measured). A second sweep of 14 model shapes (Qwen2.5 0.5B-14B, Qwen3-4B, Llama-3.2,
-    Phi-3, Gemma-2: 896x9728 1 -> 3 splits 5.96 -> 4.26 us at k = 4, 896x896 M = 2 2 -> 3 4.05
-    -> 3.49) had 107 of 117 points faster, geomean 1.125x, before those two were excluded."""
+
+    Session 29 (``.dev`` scripts over the library's variants, the rule's count and this one
+    in one process, two passes alternating, us). M <= 4, 25 shapes (Qwen2.5 0.5B-14B,
+    Qwen3-4B, Llama-2 / -3.2, Phi-3, Gemma-2 and others) x k = 2..5 x M = 1 / 2 / 4: 217
+    changed points, geomean 1.157x, the slowest 0.99x; e.g. k = 4 M = 1 3072x9216 (2 -> 7
+    splits) 11.13 -> 7.70, 2560x9728 (2 -> 5) 9.58 -> 7.02, 896x9728 (1 -> 3) 5.96 -> 4.26,
+    3584x18944 (2 -> 4) 16.68 -> 15.09, 4096x11008 (4 -> 6) 11.16 -> 10.66, 3584x3584 (8 -> 14)
+    5.40 -> 5.05. Bounds, measured: at most 5 runs per SM (4096x14336 at 8 splits, 6.8 per SM,
+    lost 1.5-4% at k = 4 though its busiest SM streams 56 tiles instead of 64), one polling
+    round of the rows bucket (``POLL_WORKERS``: 3584x3584 at M = 4 lost 4-5% to a second round
+    at 14 splits), one wave of ``resident`` quads (k = 5 at M = 4 holds 4 per SM: 3584x18944
+    takes 3 splits, 22.59 -> 21.20), runs of >= ``BALANCE_MIN_RUN`` tiles, and of more than
+    that past 3 runs per SM (runs of 4 tiles gained at 3 per SM or fewer, 1536x1536 M = 2
+    4 -> 6 splits 3.95 -> 3.32, but lost 0-6% at 3.6 and 4.8 per SM: 3072x5120 8 -> 12,
+    2048x10240 4 -> 8).
+    M = 5..8 (rows bucket 8; 70 points of 10 shapes with the bounds above but 8 splits at
+    most: geomean 1.05x, 0.80-1.40x): every count that made more than 4 runs per SM lost
+    (2560x10240 2 -> 8 0.80-0.88x, 3584x18944 2 -> 4, 5120x13824 4 -> 6, 2560x19456 2 -> 4,
+    5120x10240 4 -> 8) and so did 4096x11008 4 -> 6 (busiest SM 0.92 of the rule's: 0.86-0.89x);
+    the others gained 12-40% (k = 4 M = 8 3072x9216 2 -> 7 12.65 -> 10.56, 2560x9728 2 -> 5
+    11.26 -> 8.80; 1536x8960 4 -> 5, 896x9728 1 -> 3, 2560x10240 k = 5 2 -> 3): hence
+    ``BALANCE_GAIN_M8`` and ``BALANCE_MAX_RUNS_M8``, under which 2560x10240 takes 3 at every k
+    (then measured: 1.17-1.25x, k = 4 M = 8 11.36 -> 9.17)."""
     from .kernels.gemv import POLL_WORKERS
 
     if m_bucket > 4:
-        return splits
-    limit = min(
-        POLL_WORKERS[m_bucket],
-        min(resident, BALANCE_MAX_RUNS * sm_count) // n_tiles,
-        k_tiles // BALANCE_MIN_RUN,
-    )
-    bound = BALANCE_GAIN * busiest_sm_tiles(n_tiles, k_tiles, splits, sm_count)
+        gain, max_runs, most = BALANCE_GAIN_M8, BALANCE_MAX_RUNS_M8, 8
+    else:
+        gain, max_runs, most = BALANCE_GAIN, BALANCE_MAX_RUNS, POLL_WORKERS[m_bucket]
+    limit = min(most, min(resident, max_runs * sm_count) // n_tiles, k_tiles // BALANCE_MIN_RUN)
+    bound = gain * busiest_sm_tiles(n_tiles, k_tiles, splits, sm_count)
     best, best_tiles = splits, None
     for s in range(splits + 1, limit + 1):  # the fewest splits of the lowest count
         tiles = busiest_sm_tiles(n_tiles, k_tiles, s, sm_count)

@@ -117,12 +117,12 @@ def test_gemv_leaves_every_split_slot_empty(M, weights):
 @pytest.mark.parametrize("k", KS)
 def test_gemv_balanced_splits_match_reference(k, dtype):
     """Shapes whose split count ``ops.balanced_splits`` raises past the power-of-two rule
-    (3584x3584: 8 -> 14 at M = 1; 2560x9728: 2 -> 5 at M = 1..4), through ``kbit_cute.gemm``
+    (3584x3584: 8 -> 14 at M = 1; 2560x9728: 2 -> 5 at M = 1..8), through ``kbit_cute.gemm``
     twice per M (the slots left empty for the next call)."""
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     for K, N in [(3584, 3584), (2560, 9728)]:
         qw = kbit_cute.quantize(torch.randn(N, K, device="cuda") * 0.05, k)
-        for M in (1, 2, 4):
+        for M in (1, 2, 4, 6):
             m = ops._M_BUCKET[M]
             workers, _ = ops.gemv_grid(k, m, dtype, N, K, sm)
             n_tiles = -(-N // 128)

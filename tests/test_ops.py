@@ -534,7 +534,9 @@ def test_gemv_splits_by_rows(K, N, m_bucket, splits):
         (14336, 4096, 4, 1, 16),  # (the rule's cap)
         (28672, 8192, 4, 1, 8),  # (14 splits: the busiest SM streams as many tiles)
         (8192, 28672, 4, 1, 4),
-        (3584, 18944, 4, 8, 2),  # (M = 8: the rule's count)
+        (3584, 18944, 4, 8, 2),  # (M = 8: 4 splits would be 4.5 runs per SM)
+        (3072, 9216, 4, 8, 7),  # M = 8: 2 -> 7 (3.8 runs per SM)
+        (4096, 11008, 4, 8, 4),  # (M = 8: 6 cuts the busiest SM's tiles to 0.92 only)
         (2048, 10240, 4, 1, 4),  # (8 splits: runs of 4 tiles at 4.8 per SM, measured slower)
         (3072, 5120, 4, 1, 8),  # (12: runs of 4 at 3.6 per SM)
         (3584, 4608, 4, 1, 10),  # (14: runs of 4 at 3.8 per SM)
@@ -549,15 +551,18 @@ def test_gemv_grid_balances_splits(K, N, k, m_bucket, splits):
 
 def test_balanced_splits_stay_in_bounds():
     """Over a sweep of shapes the balanced count is never below the rule's, and never past
-    one wave of resident quads, five runs per SM, one polling round or runs of
-    ``BALANCE_MIN_RUN`` tiles (longer past 3 runs per SM); where it moves, the busiest SM
-    streams fewer tiles."""
+    one wave of resident quads, five runs per SM (four at M = 5..8), one polling round (8
+    splits at M = 5..8) or runs of ``BALANCE_MIN_RUN`` tiles (longer past 3 runs per SM);
+    where it moves, the busiest SM streams fewer tiles."""
     from kbit_cute.kernels.gemv import POLL_WORKERS
 
     moved = 0
     for n_tiles in range(1, 300, 7):
         for k_tiles in range(5, 400, 11):
-            for m in (1, 2, 4):
+            for m in (1, 2, 4, 8):
+                wide = m == 8  # (2 slots per polling round: its own bounds)
+                gain = ops.BALANCE_GAIN_M8 if wide else ops.BALANCE_GAIN
+                max_runs = ops.BALANCE_MAX_RUNS_M8 if wide else ops.BALANCE_MAX_RUNS
                 for resident in (528, 924):
                     rule = ops.gemv_splits(n_tiles * 128, k_tiles * 64, 132, m)
                     got = ops.balanced_splits(n_tiles, k_tiles, rule, 132, resident, m)
@@ -565,14 +570,14 @@ def test_balanced_splits_stay_in_bounds():
                     if got == rule:
                         continue
                     moved += 1
-                    assert n_tiles * got <= min(resident, ops.BALANCE_MAX_RUNS * 132)
-                    assert got <= POLL_WORKERS[m]
+                    assert n_tiles * got <= min(resident, max_runs * 132)
+                    assert got <= (8 if wide else POLL_WORKERS[m])
                     assert k_tiles // got >= ops.BALANCE_MIN_RUN
                     if n_tiles * got > ops.BALANCE_CROWDED_RUNS * 132:
                         assert k_tiles // got > ops.BALANCE_MIN_RUN
                     before = ops.busiest_sm_tiles(n_tiles, k_tiles, rule, 132)
                     after = ops.busiest_sm_tiles(n_tiles, k_tiles, got, 132)
-                    assert after <= ops.BALANCE_GAIN * before
+                    assert after <= gain * before
     assert moved > 0
 
 
