@@ -428,7 +428,7 @@ def balanced_splits(
     (then measured: 1.17-1.25x, k = 4 M = 8 11.36 -> 9.17)."""
     from .kernels.gemv import POLL_WORKERS
 
-    if m_bucket > 4:
+    if m_bucket > 4:  # (8: ``gemv_splits``'s cap of that bucket)
         gain, max_runs, most = BALANCE_GAIN_M8, BALANCE_MAX_RUNS_M8, 8
     else:
         gain, max_runs, most = BALANCE_GAIN, BALANCE_MAX_RUNS, POLL_WORKERS[m_bucket]
