@@ -425,7 +425,12 @@ def balanced_splits(
     the others gained 12-40% (k = 4 M = 8 3072x9216 2 -> 7 12.65 -> 10.56, 2560x9728 2 -> 5
     11.26 -> 8.80; 1536x8960 4 -> 5, 896x9728 1 -> 3, 2560x10240 k = 5 2 -> 3): hence
     ``BALANCE_GAIN_M8`` and ``BALANCE_MAX_RUNS_M8``, under which 2560x10240 takes 3 at every k
-    (then measured: 1.17-1.25x, k = 4 M = 8 11.36 -> 9.17)."""
+    (then measured: 1.17-1.25x, k = 4 M = 8 11.36 -> 9.17).
+    Short K over many columns, which ``gemv_splits`` leaves unsplit below 16 K tiles (session
+    11's measurement, with an older gather): now 1.1-1.5x with the balanced count (k = 2..4,
+    M = 1 / 4 / 8, ``--workers s1 s2 s3``): 512x8192 1 -> 2 k = 4 M = 1 4.04 -> 3.38, M = 8
+    4.33 -> 3.77; 640x8192 1 -> 2 4.60 -> 3.72; 768x4096 2 -> 3 3.83 -> 3.25; 960x9728 1 -> 3
+    6.11 -> 4.24 (768x8192 takes 2, 5.16 -> 4.03; its 3, 3.72, has a worse busiest SM)."""
     from .kernels.gemv import POLL_WORKERS
 
     if m_bucket > 4:  # (8: ``gemv_splits``'s cap of that bucket)

@@ -540,6 +540,8 @@ def test_gemv_splits_by_rows(K, N, m_bucket, splits):
         (2048, 10240, 4, 1, 4),  # (8 splits: runs of 4 tiles at 4.8 per SM, measured slower)
         (3072, 5120, 4, 1, 8),  # (12: runs of 4 at 3.6 per SM)
         (3584, 4608, 4, 1, 10),  # (14: runs of 4 at 3.8 per SM)
+        (512, 8192, 4, 1, 2),  # short K over 64 column tiles: 1 -> 2
+        (960, 9728, 4, 8, 3),
     ],
 )
 def test_gemv_grid_balances_splits(K, N, k, m_bucket, splits):
