@@ -270,7 +270,8 @@ def gemv_splits(N: int, K: int, sm_count: int, m_bucket: int = 1) -> int:
     4.37 / 4.85 -> 3.96 / 3.83 / 4.10, 320x4096 4.15 / 4.04 / 4.39 -> 3.89 / 3.84 / 4.07,
     512x1024 3.82 / 3.68 / 3.92 -> 3.61 / 3.35 / 3.55; 512x4096 keeps 4). With >= 64
     column tiles K < 16 tiles stays unsplit (512x8192, 512x12288: best for k = 2, 4; k = 5
-    wanted 4 splits at 512x8192, 4.85 against 5.51).
+    wanted 4 splits at 512x8192, 4.85 against 5.51; since session 29 ``balanced_splits``
+    splits such shapes where that evens out the SMs: 512x8192 2 splits, 1.1-1.2x).
     With the polled hand-over (``kernels.gemv.GemvKernel.gather_strip``, 2026-11-26) an
     owner loads a few slots per round (``POLL_WORKERS``): from M = 2 (``m_bucket``) short K
     takes runs of >= 2 tiles (512x2048, us, k = 2 / 4 / 5, 8 -> 4 splits: M = 2 3.10 / 2.83 /
@@ -440,7 +441,8 @@ def balanced_splits(
     limit = min(most, min(resident, max_runs * sm_count) // n_tiles, k_tiles // BALANCE_MIN_RUN)
     bound = gain * busiest_sm_tiles(n_tiles, k_tiles, splits, sm_count)
     best, best_tiles = splits, None
-    for s in range(splits + 1, limit + 1):  # the fewest splits of the lowest count
+    # The lowest busiest-SM count within the bound; the fewest splits among equals.
+    for s in range(splits + 1, limit + 1):
         tiles = busiest_sm_tiles(n_tiles, k_tiles, s, sm_count)
         crowded = n_tiles * s > BALANCE_CROWDED_RUNS * sm_count
         if crowded and k_tiles // s <= BALANCE_MIN_RUN:

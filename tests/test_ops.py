@@ -542,6 +542,9 @@ def test_gemv_splits_by_rows(K, N, m_bucket, splits):
         (3584, 4608, 4, 1, 10),  # (14: runs of 4 at 3.8 per SM)
         (512, 8192, 4, 1, 2),  # short K over 64 column tiles: 1 -> 2
         (960, 9728, 4, 8, 3),
+        (8192, 28672, 5, 4, 2),  # (the rule's 4: past one wave of k = 5's 528 quads at M = 4)
+        (12800, 7168, 4, 1, 9),  # (boundary: the busiest SM at exactly 0.92 of the rule's)
+        (2816, 4608, 4, 1, 11),  # (boundary: exactly 3 runs per SM, so runs of 4 tiles)
     ],
 )
 def test_gemv_grid_balances_splits(K, N, k, m_bucket, splits):
@@ -553,9 +556,9 @@ def test_gemv_grid_balances_splits(K, N, k, m_bucket, splits):
 
 def test_balanced_splits_stay_in_bounds():
     """Over a sweep of shapes the balanced count is never below the rule's, and never past
-    one wave of resident quads, five runs per SM (four at M = 5..8), one polling round (8
-    splits at M = 5..8) or runs of ``BALANCE_MIN_RUN`` tiles (longer past 3 runs per SM);
-    where it moves, the busiest SM streams fewer tiles."""
+    one wave of resident quads, five runs per SM (four at M = 5..8), one polling round (at
+    M = 5..8 the bucket's 8 splits) or runs of ``BALANCE_MIN_RUN`` tiles (longer past 3 runs
+    per SM); where it moves, the busiest SM streams fewer tiles."""
     from kbit_cute.kernels.gemv import POLL_WORKERS
 
     moved = 0
