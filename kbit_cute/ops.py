@@ -241,6 +241,12 @@ GEMV_MAX_M = 8  # the GEMV's mma has 8 activation columns; larger M goes to the 
 _M_BUCKET = (0, 1, 2, 4, 4, 8, 8, 8, 8)  # M -> the compiled rows bucket of the GEMV
 
 
+def gemv_max_splits(m_bucket: int) -> int:
+    """The most splits per column tile of the GEMV at rows bucket m (``gemv_splits``'s cap;
+    ``balanced_splits`` keeps within it)."""
+    return 16 if m_bucket < 8 else 8
+
+
 def gemv_splits(N: int, K: int, sm_count: int, m_bucket: int = 1) -> int:
     """Stream-K workers per column tile of the GEMV (a power of two, at most 16): each
     tile's K range in that many equal runs, so that no run crosses a column tile (a run
@@ -302,7 +308,7 @@ def gemv_splits(N: int, K: int, sm_count: int, m_bucket: int = 1) -> int:
     k_tiles = -(-K // 64)
     if k_tiles <= 4:
         return 1
-    max_splits = 16 if m_bucket < 8 else 8
+    max_splits = gemv_max_splits(m_bucket)
     if n_tiles >= 64:
         if k_tiles < 16:
             return 1
@@ -434,8 +440,8 @@ def balanced_splits(
     6.11 -> 4.24 (768x8192 takes 2, 5.16 -> 4.03; its 3, 3.72, has a worse busiest SM)."""
     from .kernels.gemv import POLL_WORKERS
 
-    if m_bucket > 4:  # (8: ``gemv_splits``'s cap of that bucket)
-        gain, max_runs, most = BALANCE_GAIN_M8, BALANCE_MAX_RUNS_M8, 8
+    if m_bucket > 4:
+        gain, max_runs, most = BALANCE_GAIN_M8, BALANCE_MAX_RUNS_M8, gemv_max_splits(m_bucket)
     else:
         gain, max_runs, most = BALANCE_GAIN, BALANCE_MAX_RUNS, POLL_WORKERS[m_bucket]
     limit = min(most, min(resident, max_runs * sm_count) // n_tiles, k_tiles // BALANCE_MIN_RUN)

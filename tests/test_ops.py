@@ -576,7 +576,7 @@ def test_balanced_splits_stay_in_bounds():
                         continue
                     moved += 1
                     assert n_tiles * got <= min(resident, max_runs * 132)
-                    assert got <= (8 if wide else POLL_WORKERS[m])
+                    assert got <= (ops.gemv_max_splits(m) if wide else POLL_WORKERS[m])
                     assert k_tiles // got >= ops.BALANCE_MIN_RUN
                     if n_tiles * got > ops.BALANCE_CROWDED_RUNS * 132:
                         assert k_tiles // got > ops.BALANCE_MIN_RUN
