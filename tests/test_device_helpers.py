@@ -144,3 +144,15 @@ def test_absmax_pair_reads_both_codes_as_exact_fp16_sixteenths():
         as_fp16 = torch.tensor([lo, hi], dtype=torch.int32).to(torch.int16).view(torch.float16)
         want = fmt.decode_e4m4(torch.tensor([c0, c1], dtype=torch.uint8)) / dh.SPLIT_FACTOR
         assert torch.equal(as_fp16.float(), want), (c0, c1)
+
+
+def test_codebook_pair_selector_picks_two_entries():
+    """k = 2's quad-table fill: prmt over the codebook's two pair registers (entries 0, 1 |
+    2, 3, 16 bits each) with ``codebook_pair_selector(i, j)`` gives entry i low, entry j
+    high, for every pair of indices."""
+    entries = [0x1A2B, 0x3C4D, 0x5E6F, 0x7081]
+    lo, hi = entries[0] | entries[1] << 16, entries[2] | entries[3] << 16
+    for i in range(4):
+        for j in range(4):
+            got = _prmt(lo, hi, dh.codebook_pair_selector(i, j))
+            assert got == entries[i] | entries[j] << 16, (i, j)

@@ -22,6 +22,7 @@ EXTRA_CONFIGS = [
     "m128n256k64s3w2x4l", "m16n256k128s3w1x8r", "m128n128k64s3w2x4r",
     # wgmma (sm_90a): M tiles up to 256, one or two warpgroups, every pair-table layout
     "m32n128k64s4w1x4g", "m64n256k64s4w1x8rg", "m256n128k64s5w1x8lg", "m128n256k128s4w1x8g",
+    "m16n256k64s4w1x16r",  # 16 warps sharing one pair table
 ]  # fmt: skip
 
 
@@ -117,7 +118,10 @@ def test_lane_table_gives_the_same_bits(k, dtype, weights):
         assert torch.equal(rows, compact)
 
 
-WGMMA_CONFIGS = ["m64n256k64s4w1x8g", "m256n128k64s4w1x8g", "m128n256k64s4w1x8rg"]
+# (the last: K slices of 128, four blocks per slice, as the k = 5 rows of M <= 128)
+WGMMA_CONFIGS = [
+    "m64n256k64s4w1x8g", "m256n128k64s4w1x8g", "m128n256k64s4w1x8rg", "m64n128k128s4w1x4g",
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

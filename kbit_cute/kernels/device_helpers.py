@@ -256,6 +256,21 @@ def codebook_lookup_x2(cb_x2_lane: Uint32, index: Uint32) -> Uint32:
     return Uint32(cute.arch.shuffle_sync(Int32(cb_x2_lane), Int32(index)))
 
 
+def codebook_pair_selector(i, j):
+    """``prmt`` selector of entries i (low half) and j (high half), i, j in 0..3, from a
+    4-entry codebook held as two registers of pairs: entry e is bytes 2e, 2e + 1 of the
+    8-byte value, so the selector's nibbles are 2i, 2i + 1, 2j, 2j + 1 (ints or registers)."""
+    return i * 0x22 + j * 0x2200 + 0x1010
+
+
+@cute.jit
+def codebook_pair_by_prmt(pairs: list, i: Uint32, j: Uint32) -> Uint32:
+    """k = 2: entries i (low half) and j (high half) of the codebook held as two registers of
+    pairs (``codebook_x2_pairs``), by one prmt: a few integer instructions where
+    ``codebook_lookup_x2`` takes the shuffle pipe (what fills the quad table)."""
+    return prmt(pairs[0], pairs[1], codebook_pair_selector(i, j))
+
+
 def codebook_x2_pairs(mCodebook: cute.Tensor, k: int, dtype, factor=None) -> list:
     """For k <= 3: the 2^k entries (x ``CODEBOOK_FACTOR`` or ``factor``) as 16-bit values,
     two per register (entries 2i, 2i+1)."""
