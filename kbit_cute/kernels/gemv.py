@@ -147,6 +147,9 @@ MORE_QUADS_FROM = 5
 TABLE_ROW = 256
 TABLE_BYTES = 256 * TABLE_ROW
 TABLE_ENTRY_BYTES = {"pair_table": 4, "quad_table": 8, "pair_table5": 4}
+# Copies of a table row, one per lane of a shared-memory wavefront: a warp's 4-byte loads are
+# one wavefront of 32 lanes, its 8-byte loads two of 16 (lanes l and l + 16 share a copy).
+TABLE_COPIES = {"pair_table": 32, "quad_table": 16, "pair_table5": 32}
 TABLE_BYTES_OF = {
     "pair_table": TABLE_BYTES,
     "quad_table": TABLE_BYTES,
@@ -563,12 +566,12 @@ class GemvKernel:
         returns (table byte pointer, this lane's byte offset register). Threads write 16-byte
         slices (2 or 4 lanes' copies of a row)."""
         tidx, _, _ = cute.arch.thread_idx()
-        entry_bytes = TABLE_ENTRY_BYTES[self.lookup]
+        entry_bytes, copies = TABLE_ENTRY_BYTES[self.lookup], TABLE_COPIES[self.lookup]
         self.fill_table(
-            table, cb_lane, tidx, TABLE_ROW // 16 if self.high_plane else entry_bytes * 2
+            table, cb_lane, tidx, TABLE_ROW // 16 if self.high_plane else entry_bytes * copies // 16
         )
         cute.arch.sync_threads()
-        lane_offset = Uint32((tidx % 32) * entry_bytes)
+        lane_offset = Uint32((tidx % copies) * entry_bytes)
         if cutlass.const_expr(self.high_plane):
             lane_offset = lane_offset * Uint32(0x01010101)  # in every byte (``pair5_high_bytes``)
         return cute.recast_ptr(table.iterator, dtype=cutlass.Uint8), lane_offset
