@@ -132,12 +132,13 @@ SMALL_WEIGHT_LOOKUP = {5: "shuffle"}
 MORE_QUADS_STAGES = {5: 2}
 MORE_QUADS_M = (1, 2, 8)
 MORE_QUADS_FROM = 5
-# Shared-memory tables indexed by one byte of index fields, one copy per lane so that a
-# warp's 32 loads hit distinct banks; a prmt builds the byte address row * 256 + lane copy
-# from the fields' byte and the lane's byte. Pair table (k = 3, 4): row p = the pair
-# (codebook[p & 15], codebook[p >> 4]), 4 bytes per lane (half of each row unused). Quad
-# table (k = 2): row p = the two pairs of four 2-bit indices, 8 bytes per lane: one 8-byte
-# load per 4 weights instead of one 4-byte load per 2.
+# Shared-memory tables indexed by one byte of index fields, a copy per lane of a wavefront
+# so that its loads hit distinct banks (``TABLE_COPIES``); a prmt builds the byte address
+# row * 256 + lane copy from the fields' byte and the lane's byte. Pair table (k = 3, 4): row
+# p = the pair (codebook[p & 15], codebook[p >> 4]), 4 bytes per lane (half of each row
+# unused). Quad table (k = 2): row p = the two pairs of four 2-bit indices, 8 bytes per lane
+# of a half-warp (half of each row unused): one 8-byte load per 4 weights instead of one
+# 4-byte load per 2.
 # Pair table for k = 5 ("pair_table5"): a pair's two 5-bit indices are its 4-bit fields'
 # byte (from planes 0-3, as k = 4) and the two fifth bits ha, hb (plane 4), which pick one of
 # four 64 KB-halves: byte address hb << 16 | fields' byte << 8 | ha << 7 | lane << 2. 128 KB
@@ -578,36 +579,52 @@ class GemvKernel:
 
     @cute.jit
     def fill_table(self, table, cb_lane, tidx, slices: cutlass.Constexpr):
-        """Each thread fills 16-byte slices of the table's rows (``slices`` per row)."""
-        chunks = self.table_bytes // TABLE_ROW * slices
-        for i in cutlass.range_constexpr(-(-chunks // self.threads)):
-            chunk = tidx + i * self.threads
-            if chunk < chunks:  # warp-uniform: the shuffles below see all 32 lanes
-                p, sl = chunk // slices, chunk % slices
-                p32 = Uint32(p)
-                four = cute.make_rmem_tensor((4,), Uint32)
-                if cutlass.const_expr(self.lookup == "quad_table"):
-                    # fields 0, 1 | 2, 3 of the byte, 2 bits each; ``cb_lane`` is the entries'
-                    # two pair registers. By prmt, not 4 shuffles per slice (512 warp shuffles
-                    # per CTA before the first K tile: k = 2 M = 1..8 2-5% faster on weights
-                    # of 2048x512..2048x12288, equal on larger; session 30)
-                    three = Uint32(3)
-                    lo = codebook_pair_by_prmt(cb_lane, p32 & three, (p32 >> 2) & three)
-                    hi = codebook_pair_by_prmt(cb_lane, (p32 >> 4) & three, p32 >> 6)
-                    for j in cutlass.range_constexpr(2):
-                        four[2 * j] = lo
-                        four[2 * j + 1] = hi
-                elif cutlass.const_expr(self.high_plane):
-                    lo_index, hi_index = pair5_entry_indices(p32, Uint32(sl))
+        """Fill the table's rows, ``slices`` 16-byte slices each (copies of the row's entry).
+        Pair and quad tables: thread p makes row p's entry once and stores its slices, lane l
+        starting at slice l % slices (the 8 lanes of a quarter-warp store then hit 8
+        different bank groups). pair_table5, whose slices differ within a row: a thread per
+        slice."""
+        rows = self.table_bytes // TABLE_ROW
+        if cutlass.const_expr(self.high_plane):
+            chunks = rows * slices
+            for i in cutlass.range_constexpr(-(-chunks // self.threads)):
+                chunk = tidx + i * self.threads
+                if chunk < chunks:  # warp-uniform: the shuffles below see all 32 lanes
+                    p, sl = chunk // slices, chunk % slices
+                    lo_index, hi_index = pair5_entry_indices(Uint32(p), Uint32(sl))
                     lo = codebook_lookup_x2(cb_lane, lo_index)
                     hi = codebook_lookup_x2(cb_lane, hi_index)
-                    four.fill(prmt(lo, hi, 0x5410))
-                else:
-                    lo = codebook_lookup_x2(cb_lane, p32 & Uint32(15))
-                    hi = codebook_lookup_x2(cb_lane, p32 >> 4)
-                    four.fill(prmt(lo, hi, 0x5410))
-                dst = table.iterator + cute.assume(p * (TABLE_ROW // 4) + sl * 4, divby=4)
-                cute.autovec_copy(four, cute.make_tensor(dst, cute.make_layout(4)))
+                    self.store_slice(table, p, sl, [prmt(lo, hi, 0x5410)] * 4)
+        else:
+            lane = tidx % 32
+            for i in cutlass.range_constexpr(-(-rows // self.threads)):
+                p = tidx + i * self.threads
+                if p < rows:  # warp-uniform (rows and threads are multiples of 32)
+                    p32 = Uint32(p)
+                    if cutlass.const_expr(self.lookup == "quad_table"):
+                        # fields 0, 1 | 2, 3 of the byte, 2 bits each, by prmt from the
+                        # entries' two pair registers (4 shuffles per slice took 512 warp
+                        # shuffles per CTA before the first K tile: k = 2 M = 1..8 2-5% faster
+                        # on weights of 2048x512..2048x12288; session 30)
+                        three = Uint32(3)
+                        lo = codebook_pair_by_prmt(cb_lane, p32 & three, (p32 >> 2) & three)
+                        hi = codebook_pair_by_prmt(cb_lane, (p32 >> 4) & three, p32 >> 6)
+                        entry = [lo, hi, lo, hi]
+                    else:
+                        lo = codebook_lookup_x2(cb_lane, p32 & Uint32(15))
+                        hi = codebook_lookup_x2(cb_lane, p32 >> 4)
+                        entry = [prmt(lo, hi, 0x5410)] * 4
+                    for s in cutlass.range_constexpr(slices):
+                        self.store_slice(table, p, (lane + s) % slices, entry)
+
+    @cute.jit
+    def store_slice(self, table, p, sl, words: list):
+        """Slice ``sl`` (16 bytes) of table row ``p``: four words."""
+        four = cute.make_rmem_tensor((4,), Uint32)
+        for j in cutlass.range_constexpr(4):
+            four[j] = words[j]
+        dst = table.iterator + cute.assume(p * (TABLE_ROW // 4) + sl * 4, divby=4)
+        cute.autovec_copy(four, cute.make_tensor(dst, cute.make_layout(4)))
 
     @cute.jit
     def mainloop(self, mA, mW, mS, col0, rows, t, kt_begin, kt_end, ctx, second=None,
