@@ -579,43 +579,39 @@ class GemvKernel:
 
     @cute.jit
     def fill_table(self, table, cb_lane, tidx, slices: cutlass.Constexpr):
-        """Fill the table's rows, ``slices`` 16-byte slices each (copies of the row's entry).
-        Pair and quad tables: thread p makes row p's entry once and stores its slices, lane l
-        starting at slice l % slices (the 8 lanes of a quarter-warp store then hit 8
-        different bank groups). pair_table5, whose slices differ within a row: a thread per
-        slice."""
-        rows = self.table_bytes // TABLE_ROW
-        if cutlass.const_expr(self.high_plane):
-            chunks = rows * slices
-            for i in cutlass.range_constexpr(-(-chunks // self.threads)):
-                chunk = tidx + i * self.threads
-                if chunk < chunks:  # warp-uniform: the shuffles below see all 32 lanes
-                    p, sl = chunk // slices, chunk % slices
-                    lo_index, hi_index = pair5_entry_indices(Uint32(p), Uint32(sl))
+        """Fill the table's rows, ``slices`` 16-byte slices each (copies of the row's entry;
+        pair_table5: of its two entries, one per half-row). Thread u makes entry u once
+        (two shuffles, or two prmt for the quad table) and stores its slices, lane l starting
+        at slice l % (slices of an entry), so that the 8 lanes of a quarter-warp store hit 8
+        different bank groups. (A thread per slice took 2-4 shuffles per slice: 128-512 warp
+        shuffles per CTA before its first K tile.)"""
+        halves = 2 if self.high_plane else 1  # entries per row
+        per_entry = slices // halves
+        entries = self.table_bytes // TABLE_ROW * halves
+        lane = tidx % 32
+        for i in cutlass.range_constexpr(-(-entries // self.threads)):
+            u = tidx + i * self.threads
+            if u < entries:  # warp-uniform (entries and threads are multiples of 32)
+                p, half = u // halves, u % halves
+                p32 = Uint32(p)
+                if cutlass.const_expr(self.lookup == "quad_table"):
+                    # fields 0, 1 | 2, 3 of the byte, 2 bits each, by prmt from the entries'
+                    # two pair registers (4 shuffles per slice before: k = 2 M = 1..8 2-5%
+                    # slower on weights of 2048x512..2048x12288; session 30)
+                    three = Uint32(3)
+                    lo = codebook_pair_by_prmt(cb_lane, p32 & three, (p32 >> 2) & three)
+                    hi = codebook_pair_by_prmt(cb_lane, (p32 >> 4) & three, p32 >> 6)
+                    entry = [lo, hi, lo, hi]
+                else:
+                    if cutlass.const_expr(self.high_plane):
+                        lo_index, hi_index = pair5_entry_indices(p32, Uint32(half * per_entry))
+                    else:
+                        lo_index, hi_index = p32 & Uint32(15), p32 >> 4
                     lo = codebook_lookup_x2(cb_lane, lo_index)
                     hi = codebook_lookup_x2(cb_lane, hi_index)
-                    self.store_slice(table, p, sl, [prmt(lo, hi, 0x5410)] * 4)
-        else:
-            lane = tidx % 32
-            for i in cutlass.range_constexpr(-(-rows // self.threads)):
-                p = tidx + i * self.threads
-                if p < rows:  # warp-uniform (rows and threads are multiples of 32)
-                    p32 = Uint32(p)
-                    if cutlass.const_expr(self.lookup == "quad_table"):
-                        # fields 0, 1 | 2, 3 of the byte, 2 bits each, by prmt from the
-                        # entries' two pair registers (4 shuffles per slice took 512 warp
-                        # shuffles per CTA before the first K tile: k = 2 M = 1..8 2-5% faster
-                        # on weights of 2048x512..2048x12288; session 30)
-                        three = Uint32(3)
-                        lo = codebook_pair_by_prmt(cb_lane, p32 & three, (p32 >> 2) & three)
-                        hi = codebook_pair_by_prmt(cb_lane, (p32 >> 4) & three, p32 >> 6)
-                        entry = [lo, hi, lo, hi]
-                    else:
-                        lo = codebook_lookup_x2(cb_lane, p32 & Uint32(15))
-                        hi = codebook_lookup_x2(cb_lane, p32 >> 4)
-                        entry = [prmt(lo, hi, 0x5410)] * 4
-                    for s in cutlass.range_constexpr(slices):
-                        self.store_slice(table, p, (lane + s) % slices, entry)
+                    entry = [prmt(lo, hi, 0x5410)] * 4
+                for s in cutlass.range_constexpr(per_entry):
+                    self.store_slice(table, p, half * per_entry + (lane + s) % per_entry, entry)
 
     @cute.jit
     def store_slice(self, table, p, sl, words: list):
