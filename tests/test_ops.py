@@ -285,13 +285,14 @@ def test_cuda_dispatch_passes_the_kernel_arguments_in_order(M, bias, fake_gpu, g
     "N, K, M, variant, quads",
     [
         (2048, 4096, 1, (None, None), 5),  # the 128 KB table, 3 stages: 5 quads per CTA
-        (2048, 2048, 1, ("shuffle", None), 7),  # under SMALL_WEIGHT: shuffles
+        (1024, 2048, 1, (None, None), 5),  # SMALL_WEIGHT: the table
+        (2048, 512, 1, ("shuffle", None), 7),  # under SMALL_WEIGHT: shuffles
         (28672, 8192, 1, (None, 2), 7),  # 224 x 4 workers wanted: 2 stages, 7 quads
         (28672, 8192, 2, (None, 2), 7),
         (28672, 8192, 4, (None, None), 4),  # M = 4 keeps 3 stages (measured)
         (28672, 8192, 5, (None, 2), 5),  # M = 5..8: 2 stages, 5 quads (3 stages hold 3)
         (14336, 4096, 8, (None, None), 3),  # 112 x 4 workers: 3 stages, 3 quads
-        (2048, 2048, 8, ("shuffle", None), 7),  # under SMALL_WEIGHT: shuffles at every M
+        (512, 2048, 8, ("shuffle", None), 7),  # under SMALL_WEIGHT: shuffles at every M
     ],
 )
 def test_k5_plans_take_the_variant_of_their_weight(N, K, M, variant, quads, fake_gpu, gen):

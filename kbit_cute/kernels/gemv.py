@@ -118,10 +118,13 @@ GEMV_LOOKUP = {2: "quad_table", 3: "pair_table", 4: "pair_table", 5: "pair_table
 GEMV_LOOKUP_SM80 = {**GEMV_LOOKUP, 5: "shuffle"}
 # Weights under SMALL_WEIGHT elements take these lookups instead (``gemv_lookup``, by size
 # alone, for every rows bucket): k = 5's 128 KB table costs more to fill than it saves on a
-# short call (session 27, M = 1 / 2 / 4, us, pair_table5 / shuffles: 2048x512 3.30 / 3.06,
-# 3.87 / 3.40, 4.24 / 3.83; 2048x2048 4.02 / 4.18, 4.45 / 4.13, 4.59 / 4.39: the table wins
-# at M = 1 only; 4096x2048 5.40 / 5.67, 5.95 / 5.88, 5.99 / 6.35: at M = 1 and 4).
-SMALL_WEIGHT = 1 << 23
+# short call. Since its fill makes each entry once (session 30; it was 2^23 before), best of
+# two passes, M = 1 / 2 / 4 / 8, us, pair_table5 / shuffles: 2048x512 3.15 / 3.10, 3.72 /
+# 3.45, 4.04 / 3.88, 5.37 / 5.42; 2048x1024 3.18 / 3.38, 3.87 / 3.81, 4.07 / 4.10, 5.39 /
+# 5.49; 2048x2048 3.88 / 4.14, 4.20 / 4.13, 4.34 / 4.37, 5.58 / 5.76; 2048x4096 4.89 / 5.45,
+# 5.03 / 5.36, 5.15 / 5.67, 6.57 / 7.12 (from 2^21 elements the table wins or ties, M = 2
+# at most 0.07 us behind).
+SMALL_WEIGHT = 1 << 21
 SMALL_WEIGHT_LOOKUP = {5: "shuffle"}
 # A ring of this depth fits more quads per CTA beside k = 5's 128 KB table (m <= 2: 7, not
 # 5; m = 8: 5, not 3): what ``ops.gemv_variant`` takes at the rows buckets MORE_QUADS_M where
