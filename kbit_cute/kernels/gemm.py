@@ -625,28 +625,26 @@ class GemmKernel:
         """Bytes of one pair-table store: an entry, or 4 lanes' copies of one."""
         return 16 if self.cfg.copy_per_lane else 4
 
-    def table_entry_stores(self) -> int:
-        """Stores of one entry: its 32 lanes' copies (8 x 16 bytes), or the entry itself."""
-        return 8 if self.cfg.copy_per_lane else 1
+    def table_stores(self) -> int:
+        """Stores that fill the pair table (a row table's used halves)."""
+        used = self.plan["table_bytes"] // (2 if self.cfg.row_table else 1)
+        return used // self.table_store_bytes()
 
     def table_passes(self) -> int:
-        """Store passes of the CTA over the pair table: a thread's entries x their stores."""
-        return -(-(1 << 2 * self.k) // self.threads) * self.table_entry_stores()
+        """Store passes of the CTA over the pair table."""
+        return -(-self.table_stores() // self.threads)
 
     def table_plan(self, tidx, i: int):
         """Pair-table build, pass i < table_passes(): ((entry, byte offset in the table) the
-        thread's store writes, active). Thread t makes entries t, t + threads, ...; one copy
-        per lane: pass i stores its entry's lanes 4 s .. 4 s + 3, s = (lane + i) % 8 (in the
-        first half of its row in a row table), so that the 8 lanes of a quarter-warp hit 8
-        bank groups."""
-        per = self.table_entry_stores()
-        p = tidx + (i // per) * self.threads
-        entries = 1 << 2 * self.k
-        active = entries % self.threads == 0 or p < entries
-        if self.cfg.copy_per_lane:
-            row = _ROW_BYTES if self.cfg.row_table else 128
-            return (p, p * row + ((tidx % 32 + i) % per) * 16), active
-        return (p, p * 4), active
+        thread's store writes, active). One copy per lane: store q writes lanes 4 (q % 8) ..
+        4 (q % 8) + 3 of entry q // 8 (in the first half of its row in a row table)."""
+        q = tidx + i * self.threads
+        active = self.table_stores() % self.threads == 0 or q < self.table_stores()
+        if self.cfg.row_table:
+            return (q // 8, (q // 8) * _ROW_BYTES + (q % 8) * 16), active
+        if self.cfg.lane_table:
+            return (q // 8, q * 16), active
+        return (q, q * 4), active
 
     # ------------------------------------------------------------------------- pieces
 
@@ -663,17 +661,14 @@ class GemmKernel:
         for i in cutlass.range_constexpr(self.table_passes()):
             (p, off), active = self.table_plan(tidx, i)
             if active:
-                if cutlass.const_expr(i % self.table_entry_stores() == 0):
-                    # the entry once, for all its stores (a store each: 8x the loads and
-                    # index arithmetic of a lane-copy table)
-                    i0 = Int32(0)
-                    i1 = Int32(0)
-                    for b in cutlass.range_constexpr(k):
-                        i0 = i0 | (((p >> (2 * b)) & 1) << b)
-                        i1 = i1 | (((p >> (2 * b + 1)) & 1) << b)
-                    pair[0] = self.dtype(mCb[i0] * factor)
-                    pair[1] = self.dtype(mCb[i1] * factor)
-                    copies.fill(cute.recast_tensor(pair, Int32)[0])
+                i0 = Int32(0)
+                i1 = Int32(0)
+                for b in cutlass.range_constexpr(k):
+                    i0 = i0 | (((p >> (2 * b)) & 1) << b)
+                    i1 = i1 | (((p >> (2 * b + 1)) & 1) << b)
+                pair[0] = self.dtype(mCb[i0] * factor)
+                pair[1] = self.dtype(mCb[i1] * factor)
+                copies.fill(cute.recast_tensor(pair, Int32)[0])
                 dst = sTable_u8 + cute.assume(off, divby=self.table_store_bytes())
                 dst = cute.recast_ptr(dst, dtype=Int32)
                 cute.autovec_copy(copies, cute.make_tensor(dst, cute.make_layout(copies.shape)))
