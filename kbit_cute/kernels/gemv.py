@@ -123,7 +123,7 @@ GEMV_LOOKUP_SM80 = {**GEMV_LOOKUP, 5: "shuffle"}
 # 3.45, 4.04 / 3.88, 5.37 / 5.42; 2048x1024 3.18 / 3.38, 3.87 / 3.81, 4.07 / 4.10, 5.39 /
 # 5.49; 2048x2048 3.88 / 4.14, 4.20 / 4.13, 4.34 / 4.37, 5.58 / 5.76; 2048x4096 4.89 / 5.45,
 # 5.03 / 5.36, 5.15 / 5.67, 6.57 / 7.12 (from 2^21 elements the table wins or ties, M = 2
-# at most 0.07 us behind).
+# at most 0.12 us behind).
 SMALL_WEIGHT = 1 << 21
 SMALL_WEIGHT_LOOKUP = {5: "shuffle"}
 # A ring of this depth fits more quads per CTA beside k = 5's 128 KB table (m <= 2: 7, not
