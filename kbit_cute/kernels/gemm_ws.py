@@ -30,8 +30,11 @@ at every point measured (8192x28672 k = 4 M = 16 / 32 / 64: 97 / 131 / 146 us ag
 77 / 94), so no table row uses it; ``bench_gemm --tune --with NAME`` times it. ncu: the
 producers' dequant costs ~6.6 instructions per weight (the GEMV's ~3: a store per pair and
 its swizzled address, the scale per pair), and their proxy fences wait for the copies in
-flight. What it would need: stmatrix stores, the activations by TMA (async proxy, no
-fence), and the GEMV's dequant.
+flight. Those could be mended (stmatrix stores, the activations by TMA, the GEMV's
+dequant), but not its shared-memory traffic: lookup, fp16 store, wgmma's read, the words and
+the activations are 7.6-9.1 bytes per weight, 167-200 B per clock at k = 4's read rate where an
+SM serves 128 (k = 5: ~140-165, k = 2, 3 more), so this design tops out below the read
+bandwidth at every k (perf/NOTES.md, session 30). Kept as a tested base, not the way forward.
 """
 
 from __future__ import annotations
