@@ -526,12 +526,10 @@ class GemvKernel:
         k = self.k
         mCodebook = cute.make_tensor(pCodebook, cute.make_layout(1 << k))
         factor = SPLIT_FACTOR if self.split_blocks else None
-        if self.byte_tables:
+        if self.byte_tables or self.lookup == "quad_table":  # (the quad fill: by prmt)
             codebook = codebook_x2_pairs(mCodebook, k, self.dtype, factor)
         elif self.lookup == "pair_shuffle":  # (k = 2: never scaled after the mma)
             codebook = codebook_pair_lane(mCodebook, self.dtype)
-        elif self.lookup == "quad_table":  # (its fill selects entries by prmt, ``fill_table``)
-            codebook = codebook_x2_pairs(mCodebook, k, self.dtype)
         else:
             codebook = codebook_x2_lane(mCodebook, k, self.dtype, factor)
         half_select = Uint32(0x5410) + Uint32(t % 2) * Uint32(0x2222)  # 16-bit half h of a word
@@ -570,26 +568,23 @@ class GemvKernel:
         returns (table byte pointer, this lane's byte offset register). Threads write 16-byte
         slices (2 or 4 lanes' copies of a row)."""
         tidx, _, _ = cute.arch.thread_idx()
-        entry_bytes, copies = TABLE_ENTRY_BYTES[self.lookup], TABLE_COPIES[self.lookup]
-        self.fill_table(
-            table, cb_lane, tidx, TABLE_ROW // 16 if self.high_plane else entry_bytes * copies // 16
-        )
+        self.fill_table(table, cb_lane, tidx)
         cute.arch.sync_threads()
-        lane_offset = Uint32((tidx % copies) * entry_bytes)
+        lane_offset = Uint32((tidx % TABLE_COPIES[self.lookup]) * TABLE_ENTRY_BYTES[self.lookup])
         if cutlass.const_expr(self.high_plane):
             lane_offset = lane_offset * Uint32(0x01010101)  # in every byte (``pair5_high_bytes``)
         return cute.recast_ptr(table.iterator, dtype=cutlass.Uint8), lane_offset
 
     @cute.jit
-    def fill_table(self, table, cb_lane, tidx, slices: cutlass.Constexpr):
-        """Fill the table's rows, ``slices`` 16-byte slices each (copies of the row's entry;
-        pair_table5: of its two entries, one per half-row). Thread u makes entry u once
-        (two shuffles, or two prmt for the quad table) and stores its slices, lane l starting
-        at slice l % (slices of an entry), so that the 8 lanes of a quarter-warp store hit 8
+    def fill_table(self, table, cb_lane, tidx):
+        """Fill the table's rows with ``TABLE_COPIES`` copies of each entry (pair_table5: two
+        entries per row, one per half-row). Thread u makes entry u once (two shuffles, or two
+        prmt for the quad table) and stores its copies in 16-byte slices, lane l starting at
+        slice l % (slices of an entry), so that the 8 lanes of a quarter-warp store hit 8
         different bank groups. (A thread per slice took 2-4 shuffles per slice: 128-512 warp
         shuffles per CTA before its first K tile.)"""
         halves = 2 if self.high_plane else 1  # entries per row
-        per_entry = slices // halves
+        per_entry = TABLE_ENTRY_BYTES[self.lookup] * TABLE_COPIES[self.lookup] // 16
         entries = self.table_bytes // TABLE_ROW * halves
         lane = tidx % 32
         for i in cutlass.range_constexpr(-(-entries // self.threads)):
