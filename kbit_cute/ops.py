@@ -552,7 +552,7 @@ class _GemvPlan:
     stream split-K scratch big enough for every M."""
 
     __slots__ = ("k", "N", "K", "dtype", "variants", "words", "codes", "bias_shape", "strips")
-    __slots__ += ("grids",)
+    __slots__ += ("grids", "groups")
     __slots__ += ("ws_elems", "by_m", "scratch")
 
     def __init__(self, k: int, N: int, K: int, dtype: torch.dtype, sm_count: int):
@@ -568,18 +568,45 @@ class _GemvPlan:
         self.grids = {
             m: gemv_grid(k, m, dtype, N, K, sm_count, variant=self.variants[m]) for m in buckets
         }
+        # whether each rows bucket takes the variant with CTA groups
+        self.groups = {m: gemv_cta_groups(m, N, self.grids[m], self.variants[m]) for m in buckets}
         self.ws_elems = max(_ws_elems(w, m) for m, (w, _) in self.grids.items())
-        self.by_m: list[tuple[object, int, int] | None] = [None] * (GEMV_MAX_M + 1)
+        self.by_m: list[tuple[object, int, int, int, int] | None] = [None] * (GEMV_MAX_M + 1)
         self.scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def entry(self, M: int) -> tuple[object, int, int]:
-        """(launch function, workers, CTAs) for M rows, loading the variant on first use."""
+    def entry(self, M: int) -> tuple[object, int, int, int, int]:
+        """(launch function, workers, CTAs, ``_cta_args``) for M rows, loading the variant
+        on first use."""
         got = self.by_m[M]
         if got is None:
             m = _M_BUCKET[M]
-            fn = _gemv_launcher(self.k, m, self.dtype, *self.variants[m])
-            got = self.by_m[M] = (fn, *self.grids[m])
+            fn = _gemv_launcher(self.k, m, self.dtype, *self.variants[m], self.groups[m])
+            workers, ctas = self.grids[m]
+            cta_args = _cta_args(self.groups[m], self.N, workers, ctas)
+            got = self.by_m[M] = (fn, workers, ctas, *cta_args)
         return got
+
+
+def _cta_args(cta_groups: bool, N: int, workers: int, ctas: int) -> tuple[int, int]:
+    """The GEMV's (per_cta, splits) launch arguments (``GemvKernel.cta_args``)."""
+    from .kernels.gemv import GemvKernel
+
+    return GemvKernel.cta_args(cta_groups, N, workers, ctas)
+
+
+def gemv_cta_groups(m_bucket: int, N: int, grid: tuple[int, int], variant: tuple) -> bool:
+    """Whether the GEMV of rows bucket m on a weight [N, K] takes the variant with CTA groups
+    (``GemvKernel.CTA_GROUPS_MIN_WORKERS``): the default lookup, runs that lie in one strip
+    each, and more than that many workers per CTA on average."""
+    from .kernels.gemv import GemvKernel
+
+    workers, ctas = grid
+    return (
+        m_bucket >= GemvKernel.CTA_GROUPS_FROM_M
+        and variant[0] is None
+        and workers % -(-N // 128) == 0
+        and workers > GemvKernel.CTA_GROUPS_MIN_WORKERS * ctas
+    )
 
 
 def _ws_elems(workers: int, m_bucket: int) -> int:
@@ -594,13 +621,16 @@ _gemv_plans: dict[tuple[int, int, int, int, torch.dtype], _GemvPlan] = {}
 _gemv_launchers: dict[tuple, object] = {}
 
 
-def _gemv_launcher(k: int, m_bucket: int, dtype: torch.dtype, lookup=None, stages=None):
-    key = (k, m_bucket, dtype, lookup, stages)
+def _gemv_launcher(
+    k: int, m_bucket: int, dtype: torch.dtype, lookup=None, stages=None, cta_groups=False
+):
+    key = (k, m_bucket, dtype, lookup, stages, cta_groups)
     fn = _gemv_launchers.get(key)
     if fn is None:
         from .kernels.gemv import gemv_spec
 
-        fn = stream_launcher(gemv_spec(k, m_bucket, _GEMV_DTYPES[dtype], stages, lookup))
+        spec = gemv_spec(k, m_bucket, _GEMV_DTYPES[dtype], stages, lookup, cta_groups=cta_groups)
+        fn = stream_launcher(spec)
         _gemv_launchers[key] = fn
     return fn
 
@@ -683,14 +713,14 @@ def _gemm_impl(A, packed, absmax, codebook, scale, k, N, K, bias=None, out=None)
         )
     if not A.is_contiguous():
         A = A.contiguous()
-    fn, workers, ctas = entry
+    fn, workers, ctas, per_cta, splits = entry
     try:
         fn(
             A, packed, absmax, codebook, scale, out if bias is None else bias, out, scratch[0],
-            scratch[1], M, N, K, workers, ctas, 0 if bias is None else 1, stream,
+            scratch[1], M, N, K, workers, ctas, per_cta, splits, 0 if bias is None else 1, stream,
         )  # fmt: skip
     except MisalignedError:
-        grid = (workers, ctas)
+        grid = (workers, ctas, per_cta, splits)
         args = (packed, absmax, codebook, scale, bias, out, scratch, M, N, K, grid, stream)
         _launch_gemv(fn, A.clone(memory_format=torch.contiguous_format), *args)
     return out
@@ -814,7 +844,7 @@ def _gemv_launch(A, packed, absmax, codebook, scale, k, N, K, bias, out, M, work
                 A, packed, absmax, codebook, scale, k, N, K, bias, out, M, workers, dev
             )
     plan = _gemv_plans[(k, N, K, dev, A.dtype)]
-    fn, plan_workers, ctas = plan.entry(M)
+    fn, plan_workers, ctas, _, _ = plan.entry(M)
     grid = (plan_workers, ctas)
     if workers:
         sm_count = _device.check_device(dev).sm_count
@@ -824,6 +854,7 @@ def _gemv_launch(A, packed, absmax, codebook, scale, k, N, K, bias, out, M, work
     scratch = _split_scratch(dev, stream, ws_elems, plan.strips, empty_slots=True)
     if not A.is_contiguous():
         A = A.contiguous()
+    grid = (*grid, *_cta_args(plan.groups[_M_BUCKET[M]], N, *grid))
     try:
         _launch_gemv(
             fn, A, packed, absmax, codebook, scale, bias, out, scratch, M, N, K, grid, stream

@@ -74,7 +74,7 @@ def gpu_rows(K: int, N: int, k: int, dtype: torch.dtype) -> list[tuple[str, floa
     spec = gemv_spec(k, 1, "f16" if dtype == torch.float16 else "bf16", stages, lookup)
     raw = kc.launcher(spec)
     raw_args = (A, qw.packed, qw.absmax, qw.codebook, qw.scale, out, out, ws, cnt)
-    raw_args += (1, N, K, *plan.grids[1], 0)
+    raw_args += (1, N, K, *plan.grids[1], *ops._cta_args(False, N, *plan.grids[1]), 0)
     stream = torch.cuda.current_stream().cuda_stream
     # The bare FFI function with the pointers read beforehand: the floor under any launcher.
     _, ffi = kc._load(spec)
@@ -105,7 +105,7 @@ def install_mock(K: int, N: int, k: int, dtype: torch.dtype, sm_count: int = 132
     spec = gemv_spec(k, 1, "f16" if dtype == torch.float16 else "bf16", stages, lookup)
     params = kc.kernel_params(spec)
     stub = kc.make_launch(spec.name, params, lambda *a: None, stream_arg=True)
-    ops._gemv_launchers[(k, 1, dtype, lookup, stages)] = stub
+    ops._gemv_launchers[(k, 1, dtype, lookup, stages, False)] = stub
     ops._current_device = lambda: -1
     ops._raw_stream = lambda dev: 0
     kdev.scratch_tensor = lambda index, n, dt, fill_byte=None: torch.zeros(n, dtype=dt)
@@ -125,9 +125,10 @@ def mock_rows(K: int, N: int, k: int, dtype: torch.dtype) -> list[tuple[str, flo
     A, qw, qlin, stub = install_mock(K, N, k, dtype)
     out = torch.empty(1, N, dtype=dtype)
     ws, cnt = ops._gemv_plans[(k, N, K, -1, dtype)].scratch[0]
-    # the launcher's arguments: tensors, M, N, K, workers, ctas, has_bias, then the stream
+    # the launcher's arguments: tensors, M, N, K, workers, ctas, per_cta, splits, has_bias,
+    # then the stream
     raw_args = (A, qw.packed, qw.absmax, qw.codebook, qw.scale, out, out, ws, cnt,
-                1, N, K, 1, 0, 0, 0)  # fmt: skip
+                1, N, K, 1, 1, 1, 0, 0, 0)  # fmt: skip
     wargs = (A, qw.packed, qw.absmax, qw.codebook, qw.scale, k, N, K, None, None)
     key = (k, N, K, -1, dtype)
     rows = [

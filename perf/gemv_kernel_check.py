@@ -20,12 +20,15 @@ from kbit_cute.format import dequantize as dequantize_reference
 from kbit_cute.format import quantize
 from kbit_cute.kernels.device_helpers import EMPTY_SLOT
 from kbit_cute.kernels.gemv import _DTYPES, COLS_PER_GROUP, GemvKernel, gemv_spec
-from kbit_cute.ops import _M_BUCKET, kernel_grid
+from kbit_cute.ops import _M_BUCKET, gemv_cta_groups, kernel_grid
 from perf.common import copies_for, graph_time_us, read_bandwidth_gbs
 
 _NAMES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 _ws = torch.empty(0)
 _counters = torch.empty(0)
+# The variants with CTA groups (``GemvKernel.cta_groups``): "auto" (the library's rule,
+# ``ops.gemv_cta_groups``), "on" (wherever the rows bucket has them), "off".
+CTA_GROUPS = "auto"
 
 
 def grid_for(qw, M, dtype, workers, stages=None, lookup=None, quads=None) -> tuple[int, int]:
@@ -52,8 +55,11 @@ def run_gemv(A, qw, out, workers="auto", stages=None, lookup=None, quads=None):
     global _ws, _counters
     M = A.shape[0]
     m = _M_BUCKET[M]
-    fn = launcher(gemv_spec(qw.k, m, _NAMES[A.dtype], stages, lookup, quads))
     n, ctas = grid_for(qw, M, A.dtype, workers, stages, lookup, quads)
+    groups = m >= GemvKernel.CTA_GROUPS_FROM_M and CTA_GROUPS == "on"
+    if CTA_GROUPS == "auto":
+        groups = gemv_cta_groups(m, qw.N, (n, ctas), (lookup, stages))
+    fn = launcher(gemv_spec(qw.k, m, _NAMES[A.dtype], stages, lookup, quads, groups))
     need = 2 * n * m * COLS_PER_GROUP
     if _ws.numel() < need or _ws.device.type != "cuda":
         _ws = torch.full(
@@ -61,7 +67,7 @@ def run_gemv(A, qw, out, workers="auto", stages=None, lookup=None, quads=None):
         ).view(torch.float32)
         _counters = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
     fn(A, qw.packed, qw.absmax, qw.codebook, qw.scale, out, out, _ws, _counters,
-       M, qw.N, qw.K, n, ctas, 0)  # fmt: skip
+       M, qw.N, qw.K, n, ctas, *GemvKernel.cta_args(groups, qw.N, n, ctas), 0)  # fmt: skip
 
 
 def check(variants=((None, None),)) -> list:
@@ -165,7 +171,11 @@ def main() -> None:
     p.add_argument("--stages", type=int, nargs="+", default=[None])
     p.add_argument("--variants", nargs="+", default=["default"],
                    help="lookup/quads pairs, e.g. pair_table/8 shuffle/1 default")  # fmt: skip
+    p.add_argument("--cta-groups", choices=["auto", "on", "off"], default="auto",
+                   help="GEMV variants with CTA groups: the library's rule, always, never")  # fmt: skip
     args = p.parse_args()
+    global CTA_GROUPS
+    CTA_GROUPS = args.cta_groups
     variants = []
     for v in args.variants:
         lk, _, wk = v.partition("/")

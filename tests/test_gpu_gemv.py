@@ -80,17 +80,25 @@ def test_gemv_alternating_shapes_match_fresh_calls(weights):
             assert torch.equal(kbit_cute.gemm(inputs[c], weights[c[:3]]), fresh[c]), c
 
 
-@pytest.mark.parametrize("workers", [1, 5, 16, 37, 1000])
-def test_gemv_stream_k_is_deterministic(workers, weights):
+@pytest.mark.parametrize("K, N", [(5120, 2048), (2048, 5120)])
+@pytest.mark.parametrize("workers", [1, 5, "tiles", 37, 1000, "s8", "s32"])
+def test_gemv_stream_k_is_deterministic(K, N, workers, weights):
     """Any stream-K grid: one worker for all (whole strips only), runs over several column
-    tiles with partial ends (5), one per column tile (16: no partials), partial strips
-    summed from 3 (37) or 63 (1000) workers; bit-identical run to run."""
-    K, N, k = 5120, 2048, 4
+    tiles with partial ends (5), one per column tile (no partials), partial strips summed
+    from 2-3 (37) or 25-63 (1000) workers, s-way splits (8, 32: 2048x5120 at M = 4 takes the
+    GEMV variant with CTA groups, ``finish_cta_group``, whose CTAs then hold 2-3 and 7
+    workers); bit-identical run to run."""
+    k = 4
+    n_tiles = N // 128
+    if isinstance(workers, str):
+        workers = n_tiles * (1 if workers == "tiles" else int(workers[1:]))
     qw = weights[(K, N, k)]
     A = torch.randn(4, K, device="cuda", dtype=torch.bfloat16)
     out = torch.full((4, N), float("nan"), device="cuda", dtype=A.dtype)
     first = ops._gemv(A, qw, None, out, 4, workers).clone()
     assert rel_err(first, reference(A, qw)) < TOL[torch.bfloat16]
+    plan = ops._gemv_plans[(k, N, K, torch.cuda.current_device(), A.dtype)]
+    assert plan.groups[4] == (N == 5120)  # the variant with CTA groups, or without
     for _ in range(5):
         again = ops._gemv(A, qw, None, out.fill_(float("nan")), 4, workers)
         assert torch.equal(again, first)
@@ -100,9 +108,12 @@ def test_gemv_stream_k_is_deterministic(workers, weights):
 def test_gemv_leaves_every_split_slot_empty(M, weights):
     """The polled hand-over's invariant: after any call the stream's slots are all
     EMPTY_SLOT again, whatever the split (16-way, runs over several strips, 63 workers a
-    strip), so the next call's owner waits for the partials of its own call."""
+    strip; at M = 3, 8 2048x5120 takes the variant with CTA groups: 8- and 32-way splits
+    and, per worker, 1000), so the next call's owner waits for the partials of its own call."""
     for (K, N, k), workers in [((5120, 2048, 4), None), ((5120, 2048, 3), 5),
-                               ((2048, 512, 5), 1000), ((1056, 1000, 2), 37)]:  # fmt: skip
+                               ((2048, 512, 5), 1000), ((1056, 1000, 2), 37),
+                               ((2048, 5120, 3), None), ((2048, 5120, 4), 1280),
+                               ((2048, 5120, 2), 1000)]:  # fmt: skip
         qw = weights[(K, N, k)]
         A = torch.randn(M, K, device="cuda", dtype=torch.float16)
         out = torch.full((M, N), float("nan"), device="cuda", dtype=A.dtype)

@@ -231,8 +231,8 @@ def fake_gpu(monkeypatch):
             return fake(torch.full((n * dtype.itemsize,), fill_byte, dtype=torch.uint8).view(dtype))
         return fake(torch.full((n,), -7, dtype=dtype))
 
-    def launcher(k, m_bucket, dtype, lookup=None, stages=None):
-        spec = gemv_spec(k, m_bucket, ops._GEMV_DTYPES[dtype], stages, lookup)
+    def launcher(k, m_bucket, dtype, lookup=None, stages=None, cta_groups=False):
+        spec = gemv_spec(k, m_bucket, ops._GEMV_DTYPES[dtype], stages, lookup, None, cta_groups)
         params = kc.kernel_params(spec)
         return kc.make_launch("stub", params, lambda *a: calls.append(a), stream_arg=True)
 
@@ -272,7 +272,9 @@ def test_cuda_dispatch_passes_the_kernel_arguments_in_order(M, bias, fake_gpu, g
         assert args[0] % 16 == 0 and args[0] != A.data_ptr()
         assert args[1:5] == tuple(t.data_ptr() for t in wargs(w)[:4])
         assert args[5] == (b.data_ptr() if bias else out.data_ptr()) and args[6] == out.data_ptr()
-        assert args[9:] == (M, N, K, workers, ctas, int(bias), 1234)
+        per_cta, splits = workers // ctas, 0  # no CTA groups for so few workers
+        assert not ops._gemv_plans[(k, N, K, 7, dtype)].groups[m_bucket]
+        assert args[9:] == (M, N, K, workers, ctas, per_cta, splits, int(bias), 1234)
         state = ops._split_states[(7, 1234)]
         assert args[7] == state.slots.data_ptr() and args[8] == state.counters.data_ptr()
         assert state.slots.numel() >= 2 * workers * m_bucket * 128
@@ -284,28 +286,29 @@ def test_cuda_dispatch_passes_the_kernel_arguments_in_order(M, bias, fake_gpu, g
 @pytest.mark.parametrize(
     "N, K, M, variant, quads",
     [
-        (2048, 4096, 1, (None, None), 5),  # the 128 KB table, 3 stages: 5 quads per CTA
-        (1024, 2048, 1, (None, None), 5),  # SMALL_WEIGHT: the table
-        (2048, 512, 1, ("shuffle", None), 7),  # under SMALL_WEIGHT: shuffles
-        (28672, 8192, 1, (None, 2), 7),  # 224 x 4 workers wanted: 2 stages, 7 quads
-        (28672, 8192, 2, (None, 2), 7),
-        (28672, 8192, 4, (None, None), 4),  # M = 4 keeps 3 stages (measured)
-        (28672, 8192, 5, (None, 2), 5),  # M = 5..8: 2 stages, 5 quads (3 stages hold 3)
-        (14336, 4096, 8, (None, None), 3),  # 112 x 4 workers: 3 stages, 3 quads
-        (512, 2048, 8, ("shuffle", None), 7),  # under SMALL_WEIGHT: shuffles at every M
+        (2048, 4096, 1, (None, None, False), 5),  # the 128 KB table, 3 stages: 5 quads per CTA
+        (1024, 2048, 1, (None, None, False), 5),  # SMALL_WEIGHT: the table
+        (2048, 512, 1, ("shuffle", None, False), 7),  # under SMALL_WEIGHT: shuffles
+        (28672, 8192, 1, (None, 2, False), 7),  # 224 x 4 workers wanted: 2 stages, 7 quads
+        (28672, 8192, 2, (None, 2, True), 7),  # (from M = 2 CTA groups: 7 workers a CTA)
+        (28672, 8192, 4, (None, None, True), 4),  # M = 4 keeps 3 stages (measured)
+        (28672, 8192, 5, (None, 2, True), 5),  # M = 5..8: 2 stages, 5 quads (3 stages hold 3)
+        (14336, 4096, 8, (None, None, True), 3),  # 112 x 4 workers: 3 stages, 3 quads
+        (512, 2048, 8, ("shuffle", None, False), 7),  # under SMALL_WEIGHT: shuffles at every M
     ],
 )
 def test_k5_plans_take_the_variant_of_their_weight(N, K, M, variant, quads, fake_gpu, gen):
     """k = 5 (``ops.gemv_variant``): weights of at least ``SMALL_WEIGHT`` elements get the
     128 KB pair table, smaller ones the shuffles; at M <= 2 and M = 5..8 a weight whose
-    split-K workers exceed 5 per SM a 2-stage ring (more quads per CTA). The plan launches
-    that variant with its grid."""
+    split-K workers exceed 5 per SM a 2-stage ring (more quads per CTA); from M = 2 the
+    table variant with CTA groups where the CTAs hold more than two workers
+    (``ops.gemv_cta_groups``). The plan launches that variant with its grid."""
     import cutlass
 
     from kbit_cute.kernels.gemv import SMALL_WEIGHT, GemvKernel
 
     calls, _ = fake_gpu
-    loaded = []  # (k, m, dtype, lookup, stages) of every launch function the plan loads
+    loaded = []  # (k, m, dtype, lookup, stages, groups) of every launch function loaded
     fake_launcher = ops._gemv_launcher
 
     def recording_launcher(*key):
@@ -318,10 +321,12 @@ def test_k5_plans_take_the_variant_of_their_weight(N, K, M, variant, quads, fake
     kbit_cute.gemm(fake(torch.randn(M, K, generator=gen).half()), w)
     m = {1: 1, 2: 2, 4: 4, 5: 8, 8: 8}[M]
     assert loaded == [(5, m, torch.float16, *variant)]
-    kernel = GemvKernel(5, m, cutlass.Float16, variant[1], variant[0])
+    kernel = GemvKernel(5, m, cutlass.Float16, variant[1], variant[0], cta_groups=variant[2])
     assert kernel.quads == quads
     (args,) = calls  # launched with the grid of that variant
-    assert args[12:14] == ops.kernel_grid(kernel, N, K, 132)
+    grid = ops.kernel_grid(kernel, N, K, 132)
+    assert args[12:16] == (*grid, *GemvKernel.cta_args(variant[2], N, *grid))
+    assert variant[2] == (args[15] != 0)  # the variant with CTA groups takes them
 
 
 def test_hot_path_keeps_every_check(fake_gpu, gen):

@@ -760,6 +760,26 @@ def worker_of(u, units, workers, wide: cutlass.Constexpr[bool] = False) -> Int32
     return _div_runs(Int64(u) * Int64(workers) + Int64(workers - 1), units, wide)
 
 
+@cute.jit
+def cta_first(c, workers, ctas, per_cta) -> Int32:
+    """First of CTA c's consecutive workers, ``workers`` dealt to ``ctas`` <= workers CTAs:
+    ``per_cta`` = workers // ctas each, one more for the first workers % ctas (c = ctas:
+    workers)."""
+    return c * per_cta + cutlass.min(c, workers - per_cta * ctas)
+
+
+@cute.jit
+def cta_of_worker(w, workers, ctas, per_cta) -> Int32:
+    """The CTA that holds worker w (the inverse of ``cta_first``)."""
+    longer = (workers - per_cta * ctas) * (per_cta + 1)  # the workers of CTAs with one more
+    c = Int32(0)
+    if w < longer:
+        c = Int32(Uint32(w) // Uint32(per_cta + 1))
+    else:
+        c = workers - per_cta * ctas + Int32(Uint32(w - longer) // Uint32(per_cta))
+    return c
+
+
 # ----------------------------------------------------------------------------- k = 5 pair table
 #
 # The GEMV's pair table for k = 5 (``gemv.GEMV_LOOKUP[5]``): a pair's 4-bit fields (planes 0-3,

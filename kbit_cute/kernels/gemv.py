@@ -74,6 +74,8 @@ from .device_helpers import (
     codebook_x2_lane,
     codebook_x2_pairs,
     cp_async_chunk,
+    cta_first,
+    cta_of_worker,
     empty_slot_words,
     f32_to_bits,
     field_bits,
@@ -160,6 +162,9 @@ TABLE_BYTES_OF = {
     "pair_table5": 2 * TABLE_BYTES,
 }
 CHUNK_WORDS = 4  # one cp.async moves 16 bytes
+# Named barriers of the CTA groups (``finish_cta_group``): one per group, GROUP_BARRIER0 + the
+# group's first quad in the CTA (0 is sync_threads').
+GROUP_BARRIER0 = 1
 # Partials a lane loads per round of the split-K reduction (``reduce_strip``): each round is
 # an L2 round trip, so rows x workers per round as large as registers allow.
 REDUCE_LOADS = 32
@@ -221,6 +226,18 @@ class GemvKernel:
     # The slots' layout follows (``strip_workspace``): the owner keeps a column's rows
     # together, the counter path row-major.
     POLLED_HANDOVER = True
+    # Variants with ``cta_groups`` (``finish_cta_group``): where every run lies in one strip,
+    # a CTA's consecutive workers of a strip sum through shared memory before the polled
+    # hand-over, so that an owner gathers a slot per CTA, not per worker. From rows bucket
+    # CTA_GROUPS_FROM_M on (M = 1 polls every slot in one round: no gain there) and where
+    # the CTAs hold more than CTA_GROUPS_MIN_WORKERS workers on average (``ops.gemv_variant``).
+    # Session 31, us, per-worker / CTA groups: 14336x4096 M = 4 k = 2 11.84 / 10.71, k = 5
+    # 18.50 / 16.67; 4096x14336 M = 8 k = 2 15.68 / 12.77; 2048x5120 M = 8 k = 4 7.14 / 5.91;
+    # 8192x28672 M = 8 k = 2 42.91 / 38.23. The variant costs 0.1-0.3 us on short calls
+    # (512x2048 M = 4 k = 4 2.71 / 2.94; 4096x2048, two workers per CTA, M = 8 6.25 / 6.50),
+    # hence the bounds.
+    CTA_GROUPS_FROM_M = 2
+    CTA_GROUPS_MIN_WORKERS = 2
 
     def __init__(
         self,
@@ -231,9 +248,14 @@ class GemvKernel:
         lookup: str | None = None,
         quads: int | None = None,
         extra_smem: int = 0,
+        cta_groups: bool = False,
     ):
-        """``extra_smem``: shared-memory bytes a subclass's kernel adds per CTA."""
+        """``extra_smem``: shared-memory bytes a subclass's kernel adds per CTA;
+        ``cta_groups``: the variant with CTA groups (``finish_cta_group``)."""
         self.k, self.m, self.dtype = k, m, dtype
+        if cta_groups and not (self.POLLED_HANDOVER and m >= self.CTA_GROUPS_FROM_M):
+            raise ValueError(f"GEMV m={m}: no CTA groups below m={self.CTA_GROUPS_FROM_M}")
+        self.cta_groups = cta_groups
         # K tiles in flight per warp, in its shared-memory ring (see STAGES).
         self.stages = stages or STAGES[k]
         # How indices become values. Issue slots and the integer ALU pipe (half the issue
@@ -358,6 +380,8 @@ class GemvKernel:
         K: Int32,
         workers: Int32,  # 1 <= workers <= column tiles x K tiles
         ctas: Int32,  # ctas x quads >= workers
+        per_cta: Int32,  # workers // ctas
+        splits: Int32,  # workers // column tiles where CTA groups apply, else 0 (``cta_args``)
         has_bias: Int32,
         stream: cuda.CUstream,
     ):
@@ -371,7 +395,7 @@ class GemvKernel:
         mWs = self.strip_workspace(pWorkspace, workers)
         self.kernel(
             mA, mW, mS, pCodebook, pScale, pBias, mOut, mWs, pCounters, n_tiles, k_tiles, workers,
-            has_bias,
+            per_cta, splits, has_bias,
         ).launch(**self.launch_options(ctas, stream))  # fmt: skip
 
     def strip_workspace(self, pWorkspace: cute.Pointer, workers) -> cute.Tensor:
@@ -409,6 +433,8 @@ class GemvKernel:
         n_tiles: Int32,
         k_tiles: Int32,
         workers: Int32,
+        per_cta: Int32,
+        splits: Int32,
         has_bias: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -423,9 +449,24 @@ class GemvKernel:
         # of each row tile; its K run in a tile is block kb = t / 2, half h = t % 2.
         g, t = lane // 4, lane % 4
 
-        # Workers interleave over the CTAs, so a grid with idle quads spreads its work over
+        # Where every run lies in one strip (``workers`` = column tiles x s, the library's
+        # s-way splits) a CTA holds consecutive workers, so that a strip's workers in one CTA
+        # sum through shared memory first (``finish_cta_group``); otherwise workers
+        # interleave over the CTAs. Either way a grid with idle quads spreads its work over
         # every SM that has a CTA.
+        # (The host divides: ``cta_args``. Divisions here lie on the path to the first
+        # loads: 512x2048 M = 1 2.5 -> 2.8 us with two more of them.)
+        grouped = False
+        first_worker = Int32(0)
+        if cutlass.const_expr(self.cta_groups):
+            grouped = splits != 0
+            first_worker = cta_first(cta, workers, ctas, per_cta)
+        groups = (splits, per_cta, first_worker)
         worker = quad * ctas + cta
+        busy = worker < workers
+        if grouped:
+            worker = first_worker + quad
+            busy = worker < cta_first(cta + 1, workers, ctas, per_cta)
         units = n_tiles * k_tiles
         u_begin = run_start(worker, units, workers)
         u_end = run_start(worker + 1, units, workers)
@@ -435,7 +476,7 @@ class GemvKernel:
         # pull the first K tiles and the codebook into L2 meanwhile (harmless even if that
         # kernel writes them: L2 is where writes land), then wait for it.
         if cutlass.const_expr(self.prefetch_tiles > 0):
-            if warp % WARPS == 0 and worker < workers:
+            if warp % WARPS == 0 and busy:
                 self.prefetch_first_tiles(mW, mS, pCodebook, nt_first, u_begin, u_end, k_tiles)
         wait_previous_kernel(self.pdl)
 
@@ -446,13 +487,13 @@ class GemvKernel:
         col0_first = nt_first * TILE_N + wn * WARP_COLS + g
 
         def prime(ring):
-            self.prime_first_strip(mA, mW, mS, ring, rows, col0_first, run, worker < workers)
+            self.prime_first_strip(mA, mW, mS, ring, rows, col0_first, run, busy)
 
         smem = SmemAllocator()
         # (the pair table syncs the CTA)
         ctx = self.make_mainloop(smem, pCodebook, t, prime if self.table else None)
         acc = ctx[-1]
-        if worker < workers:
+        if busy:
             scale = cute.make_tensor(pScale, cute.make_layout(1))[0]
             mBias = cute.make_tensor(pBias, cute.make_layout(mOut.shape[1]))
             for nt in cutlass.range(nt_first, (u_end - 1) // k_tiles + 1, unroll=1):
@@ -465,11 +506,13 @@ class GemvKernel:
                 # values that are never stored. The first strip's ring was primed above.
                 primed = Int32(nt == nt_first) if cutlass.const_expr(self.table) else None
                 self.mainloop(mA, mW, mS, col0, rows, t, kt_begin, kt_end, ctx, primed=primed)
-                slot = 2 * worker + Int32(nt != nt_first)
                 epi = (scale, mBias, mOut, has_bias, nt)
-                self.finish_strip(
-                    acc, epi, mWs, pCounters, nt, wn, t, slot, (units, workers, k_tiles)
-                )
+                plan = (units, workers, k_tiles)
+                if grouped:
+                    self.finish_cta_group(acc, epi, mWs, ctx[5], nt, wn, t, worker, plan, groups)
+                else:
+                    slot = 2 * worker + Int32(nt != nt_first)
+                    self.finish_strip(acc, epi, mWs, pCounters, nt, wn, t, slot, plan)
             if cutlass.const_expr(self.POLLED_HANDOVER):
                 # The next launch may come in once the K loops are done, before the
                 # split-K gather: its CTAs land and prefetch while the owners wait for the
@@ -477,8 +520,9 @@ class GemvKernel:
                 # +-1%).
                 let_next_kernel_start(self.pdl)
                 self.gather_owned_strips(
-                    worker, (pScale, mBias, mOut, has_bias), mWs, wn, (units, workers, k_tiles)
-                )
+                    worker, (pScale, mBias, mOut, has_bias), mWs, wn, (units, workers, k_tiles),
+                    groups,
+                )  # fmt: skip
         # A CTA's first signal is the one that counts (later ones are no-ops). Warps without
         # a worker give theirs here at once: in a CTA with idle quads, at the kernel's start.
         # (The signal at the start in every CTA measured no better, perf/NOTES.md session 21;
@@ -1002,13 +1046,7 @@ class GemvKernel:
         if w_lo == w_hi:
             self.store_fragment(acc, epi, wn, t)
         elif cutlass.const_expr(self.POLLED_HANDOVER):
-            # For the owner to read (relaxed, GPU scope), a run of adjacent slot words a store.
-            in_tile0 = wn * WARP_COLS + lane // 4
-            words = cute.recast_ptr(mWs.iterator, dtype=Int32)
-            for values, m, col in self.slot_runs(acc, t):
-                if m < self.m:
-                    ptr = words + cute.crd2idx((in_tile0 + col, m, slot), mWs.layout)
-                    store_slot_words(ptr, [f32_to_bits(v) for v in values])
+            self.write_slot(acc, mWs, wn, t, slot)
         else:
             in_tile0 = wn * WARP_COLS + lane // 4
             for v, m, col in self.outputs(acc, t):
@@ -1021,6 +1059,78 @@ class GemvKernel:
                 self.reduce_strip(mWs, epi, wn, first_slot, w_hi - w_lo)
 
     @cute.jit
+    def write_slot(self, acc, mWs, wn, t, slot):
+        """The warp's partial strip into workspace slot ``slot``, for its owner to read
+        (relaxed, GPU scope): a run of adjacent slot words a store."""
+        in_tile0 = wn * WARP_COLS + cute.arch.lane_idx() // 4
+        words = cute.recast_ptr(mWs.iterator, dtype=Int32)
+        for values, m, col in self.slot_runs(acc, t):
+            if m < self.m:
+                ptr = words + cute.crd2idx((in_tile0 + col, m, slot), mWs.layout)
+                store_slot_words(ptr, [f32_to_bits(v) for v in values])
+
+    @staticmethod
+    def cta_args(cta_groups: bool, N: int, workers: int, ctas: int) -> tuple[int, int]:
+        """The kernel's (per_cta, splits) arguments for a grid of ``workers`` on ``ctas``
+        CTAs (host side, so that the kernel does not divide): workers // ctas, and, for a
+        variant with CTA groups, the splits where every worker's run lies in one strip
+        (``workers`` = column tiles x splits), else 0 (the workers interleave over the
+        CTAs; ``finish_strip``)."""
+        n_tiles = -(-N // TILE_N)
+        grouped = cta_groups and workers % n_tiles == 0
+        return workers // ctas, workers // n_tiles if grouped else 0
+
+    @cute.jit
+    def finish_cta_group(self, acc, epi, mWs, ring, strip, wn, t, worker, plan, groups):
+        """``finish_strip`` where the CTA holds consecutive workers and each run lies in one
+        strip (``cta_args``; ``groups``: (splits, workers per CTA, the CTA's first worker)).
+        The strip's workers in this CTA (its group, a run of quads) sum through shared
+        memory first: each but the last puts its accumulators into its warps' drained rings
+        and arrives on the group's named barrier; the last (the group's leader) waits there
+        and adds them to its own in worker order. The leader then stores the strip if the
+        group holds all of it, else writes the group's partial to a slot of the CTA: 2 c if
+        the group starts at the CTA's first worker, else 2 c + 1 (the CTA's last group,
+        whose strip goes on in a later CTA). A split strip's owner (``strip_owner``) then
+        gathers one slot per CTA, not one per worker, in the per-worker scheme's slot order
+        (``strip_slot``)."""
+        splits, _, first = groups  # (first: the CTA's first worker)
+        cta, _, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
+        quad = cute.arch.warp_idx() // WARPS
+        end = cta_first(cta + 1, plan[1], ctas, groups[1])
+        w_lo = strip * splits
+        g_lo = cutlass.max(w_lo, first)
+        g_hi = cutlass.min(w_lo + splits, end) - 1
+        if g_hi > g_lo:
+            threads = (g_hi - g_lo + 1) * (32 * WARPS)
+            barrier_id = GROUP_BARRIER0 + g_lo - first
+            parts = cute.make_tensor(cute.recast_ptr(ring.iterator, dtype=Float32), ring.layout)
+            stage_words = self.stages * self.stage_words()
+            lane = cute.arch.lane_idx()
+            if worker != g_hi:
+                own = cute.arch.warp_idx() * stage_words + lane
+                for r, j, i in self.acc_values(acc):
+                    parts[own + 32 * i] = acc[r][j]
+                cute.arch.barrier_arrive(barrier_id=barrier_id, number_of_threads=threads)
+            else:
+                cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+                for q in cutlass.range(g_lo - first, quad, unroll=1):
+                    other = (q * WARPS + wn) * stage_words + lane
+                    for r, j, i in self.acc_values(acc):
+                        acc[r][j] = acc[r][j] + parts[other + 32 * i]
+        if worker == g_hi:
+            if g_lo == w_lo and g_hi == w_lo + splits - 1:
+                self.store_fragment(acc, epi, wn, t)
+            else:
+                self.write_slot(acc, mWs, wn, t, 2 * cta + Int32(g_lo != first))
+
+    @staticmethod
+    def acc_values(acc) -> list:
+        """[(row tile r, index j, i)]: the thread's accumulators acc[r][j], numbered i."""
+        pairs = [(r, j) for r in range(ROW_TILES) for j in range(cute.size(acc[r]))]
+        return [(r, j, i) for i, (r, j) in enumerate(pairs)]
+
+    @cute.jit
     def first_slot(self, w_lo, strip, plan) -> Int32:
         """The slot of a split strip's first worker: w_lo wrote slot 2 w_lo if its run starts
         at this strip, else 2 w_lo + 1 (its last strip); every later worker starts here and
@@ -1030,42 +1140,77 @@ class GemvKernel:
         return 2 * w_lo + 1 - Int32(starts_here)
 
     @cute.jit
-    def gather_owned_strips(self, worker, epi, mWs, wn, plan):
+    def gather_owned_strips(self, worker, epi, mWs, wn, plan, groups):
         """The polled hand-over's sums: of the worker's first and last strip, those it owns
-        (split, and it is the strip's worker in the CTA of highest index,
-        ``handover_owner``). After all its strips, so that no K run waits and the K loop's
+        (``strip_owner``). After all its strips, so that no K run waits and the K loop's
         registers are free for a round of loads (what it needs is re-derived from the
         kernel's arguments here, not kept across the loop). Every worker stored its
         partials before waiting for any, and an owner waits only for CTAs of lower index or
         its own: no wait can deadlock, even where the grid does not fit the GPU at once.
-        ``epi``: (scale pointer, bias, out, has_bias)."""
+        ``epi``: (scale pointer, bias, out, has_bias); ``groups``: ``finish_cta_group``'s."""
         units, workers, k_tiles = plan
         pScale, mBias, mOut, has_bias = epi
-        ctas, _, _ = cute.arch.grid_dim()
         wide = self.WIDE_RUNS
         first = run_start(worker, units, workers, wide) // k_tiles
         last = (run_start(worker + 1, units, workers, wide) - 1) // k_tiles
+        if cutlass.const_expr(self.cta_groups):
+            if groups[0] != 0:  # grouped: the run lies in one strip
+                last = first
         for i in cutlass.range(1 + Int32(last != first), unroll=1):
             strip = first + i * (last - first)
+            owns, first_slot, later = self.strip_owner(worker, strip, plan, groups)
+            if owns:
+                scale = cute.make_tensor(pScale, cute.make_layout(1))[0]
+                epi_strip = (scale, mBias, mOut, has_bias, strip)
+                self.gather_strip(mWs, epi_strip, wn, first_slot, later)
+
+    @cute.jit
+    def strip_owner(self, worker, strip, plan, groups):
+        """(Whether ``worker`` sums split strip ``strip``, the slot of its part 0, the number
+        of later parts). Per worker (``finish_strip``): the strip's worker in the CTA of
+        highest index (``handover_owner``), over slots of workers w_lo .. w_hi. Per CTA
+        (``cta_args``, ``finish_cta_group``): the group's leader in the strip's last CTA c,
+        where the strip began in an earlier CTA c_lo, over slots of CTAs c_lo .. c: 2 c_lo + 1
+        if the strip starts inside CTA c_lo, else 2 c_lo, then 2 c' of each later CTA c'."""
+        units, workers, k_tiles = plan
+        splits, per_cta, cta_start = groups
+        cta, _, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
+        wide = self.WIDE_RUNS
+        owns = Int32(0)
+        first_slot = Int32(0)
+        later = Int32(0)
+        grouped = False
+        if cutlass.const_expr(self.cta_groups):
+            grouped = splits != 0
+        if grouped:
+            w_lo = strip * splits
+            if w_lo < cta_start and worker == w_lo + splits - 1:
+                c_lo = cta_of_worker(w_lo, workers, ctas, per_cta)
+                owns = Int32(1)
+                first_slot = 2 * c_lo + Int32(w_lo != cta_first(c_lo, workers, ctas, per_cta))
+                later = cta - c_lo
+        else:
             w_lo = worker_of(strip * k_tiles, units, workers, wide)
             w_hi = worker_of(strip * k_tiles + k_tiles - 1, units, workers, wide)
             if w_lo != w_hi and handover_owner(w_lo, w_hi, ctas) == worker:
-                scale = cute.make_tensor(pScale, cute.make_layout(1))[0]
+                owns = Int32(1)
                 first_slot = self.first_slot(w_lo, strip, plan)
-                epi_strip = (scale, mBias, mOut, has_bias, strip)
-                self.gather_strip(mWs, epi_strip, wn, first_slot, w_hi - w_lo)
+                later = w_hi - w_lo
+        return owns != 0, first_slot, later
 
     @staticmethod
     def strip_slot(first_slot, i):
-        """The workspace slot of a split strip's worker i (0: w_lo, in ``first_slot``; the
-        later ones start at the strip: slot 2 w)."""
+        """The workspace slot of a split strip's part i (0: in ``first_slot``; the later ones
+        start at the strip: slot 2 p). Parts are workers (``finish_strip``: 0 is w_lo, and p
+        a worker) or CTAs (``finish_cta_group``: 0 is the strip's first CTA, p a CTA)."""
         return first_slot - (first_slot % 2) * Int32(i != 0) + 2 * i
 
     @cute.jit
     def gather_strip(self, mWs, epi, wn, first_slot, later):
-        """The owner's sum of a split strip: lane c sums column c over the strip's workers in
-        worker order (slots ``first_slot`` then ``later`` more, 2 apart), and stores; in
-        rounds of ``POLL_WORKERS`` slots, or ``POLL_WORKERS_FEW`` where that many hold them
+        """The owner's sum of a split strip: lane c sums column c over the strip's parts in
+        worker order (first_slot ``first_slot`` then ``later`` more, ``strip_slot``), and stores; in
+        rounds of ``POLL_WORKERS`` first_slot, or ``POLL_WORKERS_FEW`` where that many hold them
         all."""
         few = POLL_WORKERS_FEW.get(self.m, 0)
         if cutlass.const_expr(few > 0):
@@ -1078,8 +1223,8 @@ class GemvKernel:
 
     @cute.jit
     def gather_rounds(self, mWs, epi, wn, first_slot, later, batch: cutlass.Constexpr[int]):
-        """``gather_strip`` in rounds of ``batch`` slots: a round loads ``batch`` workers'
-        slots at once and reloads the empty ones together until none is left
+        """``gather_strip`` in rounds of ``batch`` first_slot: a round loads ``batch`` workers'
+        first_slot at once and reloads the empty ones together until none is left
         (``load_slots``; between reloads it polls one word per slot, ``await_probes``): one
         L2 round trip per round when the others are done, about two after the last of them
         when not. Then it empties them."""
@@ -1123,7 +1268,7 @@ class GemvKernel:
     @cute.jit
     def load_slots(self, parts, words, layout, c, first_slot, b0, later,
                    first: cutlass.Constexpr[bool]) -> Int32:  # fmt: skip
-        """One polling pass over a round's slots (workers b0 .. b0 + batch - 1 of the strip,
+        """One polling pass over a round's first_slot (workers b0 .. b0 + batch - 1 of the strip,
         up to ``later``): loads every word (``first``: and zeroes the rest of
         ``parts``), else reloads the empty ones. Returns nonzero while one is empty."""
         batch = cute.size(parts) // self.m
@@ -1255,10 +1400,11 @@ M_BUCKETS = (1, 2, 4, 8)  # activation rows per variant: the mma has 8 columns
 
 def gemv_spec(
     k: int, m: int, dtype: str, stages: int | None = None, lookup: str | None = None,
-    quads: int | None = None,
+    quads: int | None = None, cta_groups: bool = False,
 ):  # fmt: skip
     """The compiled variant of ``GemvKernel`` for bits ``k``, rows bucket ``m``, dtype name
-    (``stages``, ``lookup``, ``quads``: override the defaults, for tuning)."""
+    (``stages``, ``lookup``, ``quads``: override the defaults, for tuning; ``cta_groups``:
+    the variant with CTA groups)."""
     from ..compile import KernelSpec, fake_ptr, fake_stream
 
     def build():
@@ -1267,12 +1413,13 @@ def gemv_spec(
             fake_ptr(dt), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Uint8),
             fake_ptr(cutlass.Float32), fake_ptr(cutlass.Float32, 4), fake_ptr(dt, 2),
             fake_ptr(dt, 2), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int32, 4),
-            Int32(1), Int32(1), Int32(32), Int32(1), Int32(1), Int32(0), fake_stream(),
+            Int32(1), Int32(1), Int32(32), Int32(1), Int32(1), Int32(1), Int32(0), Int32(0),
+            fake_stream(),
         )  # fmt: skip
-        return GemvKernel(k, m, dt, stages, lookup, quads), args
+        return GemvKernel(k, m, dt, stages, lookup, quads, cta_groups=cta_groups), args
 
     suffix = (f"_s{stages}" if stages else "") + (f"_{lookup}" if lookup else "")
-    suffix += f"_q{quads}" if quads else ""
+    suffix += (f"_q{quads}" if quads else "") + ("_g" if cta_groups else "")
     return KernelSpec(f"gemv_k{k}_m{m}_{dtype}{suffix}", build, expect=("LDGSTS", "HMMA"))
 
 
@@ -1303,6 +1450,15 @@ def specs():
             gemv_spec(k, m, d, st)
             for k, st in MORE_QUADS_STAGES.items()
             for m in MORE_QUADS_M
+            for d in _DTYPES
+        ]
+        + [  # CTA groups: the default lookup's (large weights), ring depths as above
+            gemv_spec(k, m, d, st, cta_groups=True)
+            for k in (2, 3, 4, 5)
+            for m in M_BUCKETS
+            if m >= GemvKernel.CTA_GROUPS_FROM_M
+            for st in (None, *([MORE_QUADS_STAGES[k]] if k in MORE_QUADS_STAGES else []))
+            if st is None or m in MORE_QUADS_M
             for d in _DTYPES
         ]
     )
