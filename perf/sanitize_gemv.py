@@ -1,5 +1,5 @@
 """One GEMV call per k (stream-K runs that end inside column tiles, so the split-K slots
-and the owners' polling are exercised), for
+and the owners' polling are exercised; CTA groups), for
 ``compute-sanitizer --tool memcheck|racecheck python -m perf.sanitize_gemv``."""
 
 from __future__ import annotations
@@ -25,6 +25,19 @@ def main() -> None:
                 run_gemv(A, qw, out, 13, None, LOOKUP[k], 1)
             else:  # sm_90's 128 KB table of large k = 5 weights (this small one takes shuffles)
                 run_gemv(A, qw, out, 13, None, "pair_table5")
+    # The variants with CTA groups (``GemvKernel.cta_groups``): 1000 columns over 64 K tiles
+    # in 64-way splits, 512 workers on 132 CTAs: groups of 3-4 quads, strips over 17 CTAs.
+    from perf import gemv_kernel_check
+
+    gemv_kernel_check.CTA_GROUPS = "on"
+    K, N = 4096, 1000
+    for k in (2, 3, 4, 5):
+        qw = kbit_cute.quantize(torch.randn(N, K, device="cuda"), k)
+        for M, dtype in ((2, torch.float16), (3, torch.bfloat16), (8, torch.float16)):
+            A = torch.randn(M, K, device="cuda", dtype=dtype)
+            out = torch.empty(M, N, device="cuda", dtype=dtype)
+            run_gemv(A, qw, out, "s64")
+    gemv_kernel_check.CTA_GROUPS = "auto"
     # The library's own grid where ``ops.balanced_splits`` raises the split count (896x896,
     # M = 2: 2 -> 3 splits of 14 K tiles).
     K = N = 896
