@@ -40,7 +40,11 @@ three).
 ``workers`` = column tiles x s is an s-way split-K; the library picks that form (a run
 that crosses a column tile drains and refills its ring there: measured slower) with as
 many workers as fit one wave (``ops.kernel_grid``). The pair table (k <= 4) is shared by
-the quads of a CTA (up to 7, one CTA per SM).
+the quads of a CTA (up to 7, one CTA per SM). Workers interleave over the CTAs, except in
+the variants with CTA groups (M >= 2 where CTAs hold more than two workers,
+``ops.gemv_cta_groups``): a CTA holds consecutive workers, and a strip's workers in one CTA
+sum through shared memory before the hand-over (``finish_cta_group``), so that an owner
+gathers a slot per CTA.
 
 Launch (sm_90): programmatic dependent launch hides the launch behind the previous kernel's
 tail; meanwhile multi-quad CTAs only pull their first K tiles into L2 (harmless), then the
