@@ -458,6 +458,33 @@ def balanced_splits(
     return best
 
 
+# Split counts of launches with CTA groups (``grouped_splits``): about this many workers per SM.
+GROUPED_WORKERS_PER_SM = 3
+
+
+def grouped_splits(kernel, n_tiles: int, k_tiles: int, sm_count: int) -> int:
+    """A split count for the GEMV variant with CTA groups (``gemv_cta_groups``: rows bucket
+    m >= 2, the default lookup), 0 where none applies: about ``GROUPED_WORKERS_PER_SM``
+    workers per SM in runs of >= ``BALANCE_MIN_RUN`` K tiles, if that makes the launch
+    grouped (more than ``CTA_GROUPS_MIN_WORKERS`` workers per CTA). ``kernel_grid`` takes it
+    where it is larger than ``balanced_splits``' count: that count's bound of one polling
+    round of per-worker slots (``POLL_WORKERS``) does not hold once an owner polls a slot per
+    CTA. Session 31 (``perf.gemv_kernel_check --workers auto s4 .. s32``, M = 2 / 4 / 8, 18
+    shapes, best of two, us, the rule's count -> this one): 10240x2048 16 -> 24 k = 4 7.74 /
+    8.00 / 10.10 -> 6.61 / 7.19 / 8.54; 5120x2048 16 -> 20; 14336x4096 M = 8 8 -> 12 16.65 ->
+    15.28; 2048x8192 4 -> 6 k = 2 5.08 / 5.21 / 6.45 -> 4.88 / 5.01 / 5.73; 2048x4096 8 -> 12
+    k = 2 M = 8 5.46 -> 5.03; shapes of >= 96 column tiles keep the rule's (4096x14336,
+    8192x28672, 2048x12288), as do those whose count would not make groups (4096x2048 M = 8:
+    16 splits, 1.94 workers per CTA, were 14% slower than 8)."""
+    from .kernels.gemv import GemvKernel, default_lookup
+
+    if kernel.m < GemvKernel.CTA_GROUPS_FROM_M or kernel.lookup != default_lookup(kernel.k):
+        return 0
+    splits = min(GROUPED_WORKERS_PER_SM * sm_count // n_tiles, k_tiles // BALANCE_MIN_RUN)
+    grouped = n_tiles * splits > GemvKernel.CTA_GROUPS_MIN_WORKERS * sm_count
+    return splits if grouped else 0
+
+
 # ``kernel_grid`` takes the fewest (full) CTAs where they fill at least this share of the slots.
 FULL_CTAS_FILL = 0.95
 
@@ -476,6 +503,7 @@ def kernel_grid(kernel, N: int, K: int, sm_count: int, workers: int | None = Non
         resident = slots * kernel.quads  # quads of one wave
         splits = gemv_splits(N, K, sm_count, kernel.m)
         splits = balanced_splits(n_tiles, -(-K // 64), splits, sm_count, resident, kernel.m)
+        splits = max(splits, grouped_splits(kernel, n_tiles, -(-K // 64), sm_count))
         workers = n_tiles * max(1, min(splits, resident // n_tiles))
     workers = min(workers, units)
     # Quads of a CTA take workers ctas apart: one CTA per slot, or as few as hold them all.

@@ -534,7 +534,13 @@ def test_gemv_splits_by_rows(K, N, m_bucket, splits):
         (2560, 9728, 4, 1, 5),
         (3072, 9216, 2, 4, 7),
         (3584, 3584, 4, 1, 14),
-        (3584, 3584, 4, 4, 8),  # (14 slots are two polling rounds at M = 4)
+        (3584, 3584, 4, 4, 14),  # (M = 4 with CTA groups: ``grouped_splits``)
+        (10240, 2048, 4, 1, 16),  # (M = 1: no CTA groups, the rule's)
+        (10240, 2048, 4, 4, 24),  # M >= 2 with CTA groups: about 3 workers per SM
+        (10240, 2048, 5, 8, 24),
+        (2048, 8192, 4, 2, 6),  # (64 column tiles over 32 K tiles: 4 -> 6)
+        (14336, 4096, 4, 8, 12),  # (M = 8: the rule's 8)
+        (4096, 2048, 4, 8, 8),  # (16 splits: 1.94 workers per CTA, no groups: the rule's)
         (4096, 11008, 4, 4, 6),
         (4096, 14336, 4, 1, 4),  # (8 splits: 6.8 runs per SM, measured slower)
         (14336, 4096, 4, 1, 16),  # (the rule's cap)
