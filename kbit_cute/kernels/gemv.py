@@ -234,7 +234,8 @@ class GemvKernel:
     # a CTA's consecutive workers of a strip sum through shared memory before the polled
     # hand-over, so that an owner gathers a slot per CTA, not per worker. From rows bucket
     # CTA_GROUPS_FROM_M on (M = 1 polls every slot in one round: no gain there) and where
-    # the CTAs hold more than CTA_GROUPS_MIN_WORKERS workers on average (``ops.gemv_variant``).
+    # the CTAs hold more than CTA_GROUPS_MIN_WORKERS workers on average (``ops.gemv_cta_groups``;
+    # their split counts: ``ops.grouped_splits``).
     # Session 31, us, per-worker / CTA groups: 14336x4096 M = 4 k = 2 11.84 / 10.71, k = 5
     # 18.50 / 16.67; 4096x14336 M = 8 k = 2 15.68 / 12.77; 2048x5120 M = 8 k = 4 7.14 / 5.91;
     # 8192x28672 M = 8 k = 2 42.91 / 38.23. The variant costs 0.1-0.3 us on short calls
@@ -1213,8 +1214,8 @@ class GemvKernel:
     @cute.jit
     def gather_strip(self, mWs, epi, wn, first_slot, later):
         """The owner's sum of a split strip: lane c sums column c over the strip's parts in
-        worker order (first_slot ``first_slot`` then ``later`` more, ``strip_slot``), and stores; in
-        rounds of ``POLL_WORKERS`` first_slot, or ``POLL_WORKERS_FEW`` where that many hold them
+        worker order (slots ``first_slot`` then ``later`` more, ``strip_slot``), and stores; in
+        rounds of ``POLL_WORKERS`` slots, or ``POLL_WORKERS_FEW`` where that many hold them
         all."""
         few = POLL_WORKERS_FEW.get(self.m, 0)
         if cutlass.const_expr(few > 0):
@@ -1227,8 +1228,8 @@ class GemvKernel:
 
     @cute.jit
     def gather_rounds(self, mWs, epi, wn, first_slot, later, batch: cutlass.Constexpr[int]):
-        """``gather_strip`` in rounds of ``batch`` first_slot: a round loads ``batch`` workers'
-        first_slot at once and reloads the empty ones together until none is left
+        """``gather_strip`` in rounds of ``batch`` slots: a round loads ``batch`` parts'
+        slots at once and reloads the empty ones together until none is left
         (``load_slots``; between reloads it polls one word per slot, ``await_probes``): one
         L2 round trip per round when the others are done, about two after the last of them
         when not. Then it empties them."""
@@ -1272,7 +1273,7 @@ class GemvKernel:
     @cute.jit
     def load_slots(self, parts, words, layout, c, first_slot, b0, later,
                    first: cutlass.Constexpr[bool]) -> Int32:  # fmt: skip
-        """One polling pass over a round's first_slot (workers b0 .. b0 + batch - 1 of the strip,
+        """One polling pass over a round's slots (parts b0 .. b0 + batch - 1 of the strip,
         up to ``later``): loads every word (``first``: and zeroes the rest of
         ``parts``), else reloads the empty ones. Returns nonzero while one is empty."""
         batch = cute.size(parts) // self.m
