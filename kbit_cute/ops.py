@@ -462,11 +462,11 @@ def balanced_splits(
 GROUPED_WORKERS_PER_SM = 3
 
 
-def grouped_splits(kernel, n_tiles: int, k_tiles: int, sm_count: int) -> int:
+def grouped_splits(kernel, N: int, k_tiles: int, sm_count: int) -> int:
     """A split count for the GEMV variant with CTA groups (``gemv_cta_groups``: rows bucket
     m >= 2, the default lookup), 0 where none applies: about ``GROUPED_WORKERS_PER_SM``
     workers per SM in runs of >= ``BALANCE_MIN_RUN`` K tiles, if that makes the launch
-    grouped (more than ``CTA_GROUPS_MIN_WORKERS`` workers per CTA). ``kernel_grid`` takes it
+    grouped (``gemv_cta_groups``, with a CTA per SM). ``kernel_grid`` takes it
     where it is larger than ``balanced_splits``' count: that count's bound of one polling
     round of per-worker slots (``POLL_WORKERS``) does not hold once an owner polls a slot per
     CTA. Session 31 (``perf.gemv_kernel_check --workers auto s4 .. s32``, M = 2 / 4 / 8, 18
@@ -476,12 +476,12 @@ def grouped_splits(kernel, n_tiles: int, k_tiles: int, sm_count: int) -> int:
     k = 2 M = 8 5.46 -> 5.03; shapes of >= 96 column tiles keep the rule's (4096x14336,
     8192x28672, 2048x12288), as do those whose count would not make groups (4096x2048 M = 8:
     16 splits, 1.94 workers per CTA, were 14% slower than 8)."""
-    from .kernels.gemv import GemvKernel, default_lookup
+    from .kernels.gemv import default_lookup
 
-    if kernel.m < GemvKernel.CTA_GROUPS_FROM_M or kernel.lookup != default_lookup(kernel.k):
-        return 0
+    n_tiles = -(-N // 128)
     splits = min(GROUPED_WORKERS_PER_SM * sm_count // n_tiles, k_tiles // BALANCE_MIN_RUN)
-    grouped = n_tiles * splits > GemvKernel.CTA_GROUPS_MIN_WORKERS * sm_count
+    lookup = None if kernel.lookup == default_lookup(kernel.k) else kernel.lookup
+    grouped = gemv_cta_groups(kernel.m, N, (n_tiles * splits, sm_count), (lookup,))
     return splits if grouped else 0
 
 
@@ -503,7 +503,7 @@ def kernel_grid(kernel, N: int, K: int, sm_count: int, workers: int | None = Non
         resident = slots * kernel.quads  # quads of one wave
         splits = gemv_splits(N, K, sm_count, kernel.m)
         splits = balanced_splits(n_tiles, -(-K // 64), splits, sm_count, resident, kernel.m)
-        splits = max(splits, grouped_splits(kernel, n_tiles, -(-K // 64), sm_count))
+        splits = max(splits, grouped_splits(kernel, N, -(-K // 64), sm_count))
         workers = n_tiles * max(1, min(splits, resident // n_tiles))
     workers = min(workers, units)
     # Quads of a CTA take workers ctas apart: one CTA per slot, or as few as hold them all.
