@@ -171,6 +171,35 @@ def test_specialized_every_k_and_dtype(k, dtype, weights):
                     assert torch.equal(got, run(A, qw, **kw)), (K, N, M, name, splits, workers)
 
 
+# Copy-producer wgmma tilings (suffix "gc"): one or two tiles of the M = 128 / 256 / 64 rows.
+PRODUCER_CONFIGS = ["m128n128k64s4w1x8rgc", "m256n128k64s5w1x8lgc", "m64n256k64s6w1x8gc"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", KS)
+def test_copy_producer_every_k_and_dtype(k, dtype, weights):
+    """The wgmma kernel with a copy-producer warpgroup on mbarriers, every k and dtype: M
+    tiles partly filled and several per CTA (the ring's phases carried across tiles, the
+    epilogue staged in the ring between them), stream-K runs starting and ending inside
+    tiles, runs shorter and longer than the ring, K past the last full slice; bit-identical
+    to itself."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma needs sm_90a")
+    for K, N in ((1056, 1000), (4096, 520)):
+        qw = weights(K, N, k)
+        for M in (5, 100, 300):
+            A = torch.randn(M, K, device="cuda", dtype=dtype)
+            ref = reference(A, qw)
+            for name in PRODUCER_CONFIGS:
+                if name.endswith("rgc") and k > 4:
+                    continue
+                for splits, workers in ((1, None), (3, None), (None, 23), (None, 4)):
+                    kw = dict(config=name, splits=splits, workers=workers, deterministic=True)
+                    got = run(A, qw, **kw)
+                    assert rel_err(got, ref) < TOL[dtype], (K, N, M, name, splits, workers)
+                    assert torch.equal(got, run(A, qw, **kw)), (K, N, M, name, splits, workers)
+
+
 @pytest.mark.parametrize("splits", [2, 5, 16])
 def test_split_k_deterministic_mode_is_bit_identical(splits, weights):
     K, N, k = 5120, 2048, 4

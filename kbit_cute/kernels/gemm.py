@@ -78,6 +78,7 @@ _LANES = 32  # copies of a lane-replicated pair table: entry p of lane l at p * 
 _ROW_BYTES = 256  # row of a row table: entry p of lane l at p * 256 + l * 4
 _REDUCE_FLOATS = 64  # partial values a thread loads per round of the ordered reduction
 _BOUNDED_REGS = 168  # registers per thread of 3 CTAs of 128 threads (min_ctas_per_sm)
+PRODUCER_THREADS = 128  # the copy-producer warpgroup of a "c" config
 
 
 # ----------------------------------------------------------------------------- config
@@ -116,6 +117,10 @@ class GemmConfig:
     # warps (as many as the MMA's per 32-weight block of a K slice) copy and dequantize the
     # weight into shared-memory fp16 tiles; the MMA warpgroups read both operands there.
     specialized: bool = False
+    # Copy-producer wgmma (suffix "c" after "g", ``gemm_wgmma_producer``): one extra
+    # warpgroup only copies the ring (cp.async onto mbarriers); the MMA warpgroups
+    # dequantize in registers as "g" does, without a CTA barrier per K slice.
+    producer: bool = False
 
     @property
     def lane_table(self) -> bool:
@@ -138,7 +143,14 @@ class GemmConfig:
     def block_threads(self) -> int:
         """Threads of a CTA: the MMA threads, and where specialized as many producers per
         32-weight block of a K slice (``gemm_ws``)."""
+        if self.producer:
+            return self.threads + PRODUCER_THREADS
         return self.threads * (1 + self.tile_k // 32 if self.specialized else 1)
+
+    @property
+    def copy_threads(self) -> int:
+        """Threads that issue the ring's copies: the producer warpgroup, or the MMA threads."""
+        return PRODUCER_THREADS if self.producer else self.threads
 
     @property
     def name(self) -> str:
@@ -148,6 +160,7 @@ class GemmConfig:
             + _TABLE_SUFFIX.get(self.table, "?")
             + ("g" if self.wgmma else "")
             + ("p" if self.specialized else "")
+            + ("c" if self.producer else "")
         )
 
     @staticmethod
@@ -155,7 +168,7 @@ class GemmConfig:
         """Inverse of ``name`` (the dispatch table stores names)."""
         import re
 
-        m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)x(\d+)([lr]?)(g?)(p?)", name)
+        m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)x(\d+)([lr]?)(g?)([pc]?)", name)
         if m is None:
             raise ValueError(f"not a GEMM config name: {name!r}")
         return GemmConfig(
@@ -163,6 +176,7 @@ class GemmConfig:
             table=_TABLE_OF_SUFFIX[m.group(7)],
             wgmma=m.group(8) == "g",
             specialized=m.group(9) == "p",
+            producer=m.group(9) == "c",
         )
 
     def problems(self) -> list[str]:
@@ -199,11 +213,13 @@ class GemmConfig:
             if self.stages < 4:
                 # the copies run stages - 2 slices ahead
                 out.append(f"a specialized ring takes 4 stages or more, got {self.stages}")
+        if self.producer and not self.wgmma:
+            out.append("a copy producer (c) needs the warpgroup MMA (g)")
         if self.table not in TABLE_LAYOUTS:
             out.append(f"table must be one of {TABLE_LAYOUTS}, got {self.table!r}")
-        if self.threads < self.tile_k:
+        if self.copy_threads < self.tile_k:
             # A copy passes must advance whole 8-row swizzle atoms.
-            out.append(f"{self.threads} threads cannot copy A rows of tile_k={self.tile_k}")
+            out.append(f"{self.copy_threads} threads cannot copy A rows of tile_k={self.tile_k}")
         return out
 
     def smem_bytes(self, k: int) -> int:
@@ -242,7 +258,9 @@ def _smem_plan(cfg: GemmConfig, k: int) -> dict:
         table=union,
         table_bytes=table,
         flag=union + table,
-        total=union + table + 16,
+        # a copy producer's full and empty mbarriers, one each per stage (8 bytes each)
+        bars=union + table + 16,
+        total=union + table + 16 + (16 * cfg.stages if cfg.producer else 0),
     )
 
 
@@ -368,6 +386,26 @@ class GemmKernel:
         # tiles, and the start of another; the workers that meet in a tile hand over
         # through the split-K workspace (``epilogue``). Every SM gets the same work, where
         # a grid of whole tiles leaves the last wave partly empty.
+        run = self.stream_k_run(M, N, K, worker, workers, run_gcd)
+        base_u8 = self.allocate_tile_smem(SmemAllocator())
+        self.build_pair_table(pCodebook, base_u8 + self.plan["table"])
+        for t in cutlass.range(run[0], run[1], unroll=1):
+            m_cta, n_cta, kt_begin, kt_end, handover = self.tile_work(t, run)
+            self.tile(
+                base_u8, pA, pPacked, pAbsmax, pScale, pBias, pOut, pWorkspace, pCounters,
+                M, N, K, has_bias, atomic, m_cta, n_cta, t, kt_begin, kt_end, handover,
+            )  # fmt: skip
+            # The next tile's prologue refills the union this epilogue read from. (Not
+            # before the first tile: its copies would wait for the pair table's codebook
+            # loads; 2048x10240 M = 16, 4 K slices per CTA: 10% slower.)
+            cute.arch.sync_threads()
+
+    @cute.jit
+    def stream_k_run(self, M, N, K, worker, workers, run_gcd):
+        """This worker's run of the stream-K schedule (``kernel``): (first tile, last tile
+        + 1, then what ``tile_work`` needs: worker, first unit, end unit, units_r,
+        workers_r, K slices per tile, m tiles)."""
+        cfg = self.cfg
         m_ctas = (M + cfg.tile_m - 1) // cfg.tile_m
         k_iters = (K + cfg.tile_k - 1) // cfg.tile_k
         units = m_ctas * ((N + cfg.tile_n - 1) // cfg.tile_n) * k_iters
@@ -376,29 +414,27 @@ class GemmKernel:
         units_r, workers_r = units // run_gcd, workers // run_gcd
         u_begin = run_start(worker, units_r, workers_r)
         u_end = run_start(worker + 1, units_r, workers_r)
-        base_u8 = self.allocate_tile_smem(SmemAllocator())
-        self.build_pair_table(pCodebook, base_u8 + self.plan["table"])
         t_first = u_begin // k_iters
-        for t in cutlass.range(t_first, (u_end - 1) // k_iters + 1, unroll=1):
-            t_units = t * k_iters
-            # Workers whose runs meet tile t: w_lo holds its first K slice, w_hi its last.
-            # w_lo's partial is in slot 2 w_lo if its run starts in this tile, else in
-            # 2 w_lo + 1 (its last tile); every later worker starts here: slot 2 w.
-            w_lo = worker_of(t_units, units_r, workers_r)
-            w_hi = worker_of(t_units + k_iters - 1, units_r, workers_r)
-            starts_here = run_start(w_lo, units_r, workers_r) >= t_units
-            first_slot = 2 * w_lo + 1 - Int32(starts_here)
-            handover = (w_hi - w_lo + 1, 2 * worker + Int32(t != t_first), first_slot)
-            self.tile(
-                base_u8, pA, pPacked, pAbsmax, pScale, pBias, pOut, pWorkspace, pCounters,
-                M, N, K, has_bias, atomic, t % m_ctas, t // m_ctas, t,
-                cutlass.max(u_begin - t_units, 0), cutlass.min(u_end - t_units, k_iters),
-                handover,
-            )  # fmt: skip
-            # The next tile's prologue refills the union this epilogue read from. (Not
-            # before the first tile: its copies would wait for the pair table's codebook
-            # loads; 2048x10240 M = 16, 4 K slices per CTA: 10% slower.)
-            cute.arch.sync_threads()
+        t_end = (u_end - 1) // k_iters + 1
+        return t_first, t_end, worker, u_begin, u_end, units_r, workers_r, k_iters, m_ctas
+
+    @cute.jit
+    def tile_work(self, t, run):
+        """Tile ``t`` of the run (``stream_k_run``): (m_cta, n_cta, first K slice, end K
+        slice, split-K hand-over) for ``tile``."""
+        t_first, _, worker, u_begin, u_end, units_r, workers_r, k_iters, m_ctas = run
+        t_units = t * k_iters
+        # Workers whose runs meet tile t: w_lo holds its first K slice, w_hi its last.
+        # w_lo's partial is in slot 2 w_lo if its run starts in this tile, else in
+        # 2 w_lo + 1 (its last tile); every later worker starts here: slot 2 w.
+        w_lo = worker_of(t_units, units_r, workers_r)
+        w_hi = worker_of(t_units + k_iters - 1, units_r, workers_r)
+        starts_here = run_start(w_lo, units_r, workers_r) >= t_units
+        first_slot = 2 * w_lo + 1 - Int32(starts_here)
+        handover = (w_hi - w_lo + 1, 2 * worker + Int32(t != t_first), first_slot)
+        kt_begin = cutlass.max(u_begin - t_units, 0)
+        kt_end = cutlass.min(u_end - t_units, k_iters)
+        return t % m_ctas, t // m_ctas, kt_begin, kt_end, handover
 
     @cute.jit
     def role_tidx(self):
@@ -605,20 +641,20 @@ class GemmKernel:
 
     def w_copy_passes(self) -> int:
         """cp.async passes of the CTA over one repack tile's words."""
-        return -(-(self.tile_words * 4 // _CHUNK) // self.threads)
+        return -(-(self.tile_words * 4 // _CHUNK) // self.cfg.copy_threads)
 
     def w_copy_plan(self, tidx, i: int):
         """B words cp.async of one repack tile, pass i < w_copy_passes(): (first int32 word
         of the thread's 16-byte chunk, active); chunk tidx + i * threads (coalesced)."""
-        chunks = self.tile_words * 4 // _CHUNK
-        q = tidx + i * self.threads
-        return q * 4, chunks % self.threads == 0 or q < chunks
+        chunks, T = self.tile_words * 4 // _CHUNK, self.cfg.copy_threads
+        q = tidx + i * T
+        return q * 4, chunks % T == 0 or q < chunks
 
     def absmax_copy_plan(self, tidx):
         """Absmax cp.async of one repack tile: (first byte of the thread's 16-byte chunk,
         active). The CTA's last threads copy the 16 chunks: the words leave those idle when
         64 k chunks are not a multiple of the CTA size."""
-        q = tidx - (self.threads - _TILE_ABSMAX // _CHUNK)
+        q = tidx - (self.cfg.copy_threads - _TILE_ABSMAX // _CHUNK)
         return q * _CHUNK, q >= 0
 
     def table_store_bytes(self) -> int:
@@ -695,7 +731,7 @@ class GemmKernel:
         return offs
 
     def a_rows_per_pass(self) -> int:
-        return self.threads // (self.cfg.tile_k // 8)
+        return self.cfg.copy_threads // (self.cfg.tile_k // 8)
 
     def a_passes(self) -> int:
         return -(-self.cfg.tile_m // self.a_rows_per_pass())
@@ -997,6 +1033,10 @@ def gemm_spec(k: int, dtype: str, config: GemmConfig):
             fake_ptr(dt), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int32, 4),
             Int32(5), Int32(128), Int32(64), Int32(1), Int32(1), Int32(0), Int32(0), fake_stream(),
         )  # fmt: skip
+        if config.producer:
+            from .gemm_wgmma_producer import ProducerGemmKernel
+
+            return ProducerGemmKernel(k, dtype, config), args
         if config.specialized:
             from .gemm_ws import WsGemmKernel
 
@@ -1037,10 +1077,10 @@ def for_arch(cfg: GemmConfig, arch: str) -> GemmConfig:
         return cfg
     if cfg.tile_m >= 128:
         return replace(
-            cfg, wgmma=False, specialized=False, tile_m=128, tile_n=128, stages=3, warps_m=2,
-            warps_n=4,
+            cfg, wgmma=False, specialized=False, producer=False, tile_m=128, tile_n=128,
+            stages=3, warps_m=2, warps_n=4,
         )  # fmt: skip
-    return replace(cfg, wgmma=False, specialized=False, stages=3)
+    return replace(cfg, wgmma=False, specialized=False, producer=False, stages=3)
 
 
 def table_specs(arch: str) -> list:
