@@ -80,7 +80,11 @@ _LARGE_TILES = [
 ]
 # Warpgroup MMA (suffix "g", sm_90a): the weight tile is wgmma's register operand; M tiles
 # of up to 256 rows (wgmma's N). k = 5 takes the compact-table "g" names.
-_WGMMA_64 = ["m64n256k64s4w1x8rg", "m64n256k64s6w1x8rg", "m64n128k64s4w1x4rg", "m64n256k64s4w1x8g"]
+_WGMMA_64 = [
+    "m64n256k64s4w1x8rg", "m64n256k64s6w1x8rg", "m64n128k64s4w1x4rg", "m64n256k64s4w1x8g",
+    # a copy-producer warpgroup (suffix "c", session 32)
+    "m64n256k64s6w1x8rgc", "m64n256k64s6w1x8gc",
+]  # fmt: skip
 # TILE_K = 128 tilings: half the K slices per tile (a barrier round per 128 of K). Session
 # 23's tune (table rows + these, M = 128..512) took them for four rows, 1-5% by geomean
 # (k = 5 M = 128 10240x2048 38.1 -> 31.4 us, 4096x14336 58.5 -> 60.2).
@@ -88,6 +92,8 @@ _WGMMA_LARGE = [
     "m128n256k64s4w1x8rg", "m128n256k64s5w1x8rg", "m128n128k64s4w1x8rg", "m256n128k64s4w1x8rg",
     "m256n128k64s5w1x8lg", "m128n256k64s4w1x8g", "m256n128k64s4w1x8g",
     "m128n256k128s3w1x8rg", "m128n128k128s3w1x8rg", "m128n256k128s3w1x8g", "m128n128k128s3w1x8g",
+    "m128n256k64s4w1x8rgc", "m128n256k64s4w1x8gc", "m128n128k64s4w1x8rgc", "m128n128k128s3w1x8gc",
+    "m256n128k64s4w1x8gc",
 ]  # fmt: skip
 BUCKETS = [
     (16, [16], ["m16n128k64s4w1x4", "m16n128k128s4w1x4", "m16n256k64s4w1x4",

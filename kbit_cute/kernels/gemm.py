@@ -376,7 +376,6 @@ class GemmKernel:
         has_bias: Int32,
         atomic: Int32,
     ):
-        cfg = self.cfg
         worker, _, _ = cute.arch.block_idx()
         # A, the codebook and the split-K scratch may be the kernel before's outputs.
         wait_previous_kernel(self.pdl)

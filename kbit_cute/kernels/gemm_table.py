@@ -69,14 +69,18 @@ COMMAND = (
     "/root/out/tune_small.json; python -m perf.bench_gemm --write-table-from tune_small.json; "
     "then python -m perf.bench_gemm --k 2 3 4 5 --m 16 32 64 128 256 512 --no-qwen --shapes "
     "2048x512 512x2048 2048x2048 4096x2048 2048x4096 2048x5120 2048x8192 4096x4096 --json "
-    "/root/out/small3.json; python -m perf.bench_gemm --write-small-from small3.json"
+    "/root/out/small3.json; python -m perf.bench_gemm --write-small-from small3.json; then "
+    "python -m perf.bench_gemm --tune --candidates table --with m64n256k64s6w1x8rgc "
+    "m64n256k64s6w1x8gc m128n128k64s4w1x8rgc m128n256k64s4w1x8rgc m128n256k64s4w1x8gc "
+    "m128n128k128s3w1x8gc m256n128k64s4w1x8gc --buckets 64 128 256 --k 2 3 4 5 --jobs 16 "
+    "--json /root/out/tune_gc.json; python -m perf.bench_gemm --write-table-from tune_gc.json"
 )
 
 RULES = {
     2: [
         (16, "m16n128k128s4w1x4", 4, 16),
         (32, "m32n128k64s4w1x4rg", 3, 16),
-        (64, "m64n256k64s6w1x8rg", 1, 16),
+        (64, "m64n256k64s6w1x8gc", 1, 16),
         (128, "m128n128k64s4w1x8rg", 1, 16),
         (256, "m256n128k64s4w1x8g", 1, 16),
         (512, "m128n128k64s4w1x8rg", 1, 16),
@@ -94,7 +98,7 @@ RULES = {
     4: [
         (16, "m16n128k128s3w1x4r", 2, 16),
         (32, "m32n128k64s4w1x4rg", 2, 16),
-        (64, "m64n256k64s6w1x8rg", 1, 16),
+        (64, "m64n256k64s6w1x8rgc", 1, 16),
         (128, "m128n128k64s4w1x8rg", 1, 16),
         (256, "m256n128k64s5w1x8lg", 1, 16),
         (512, "m256n128k64s5w1x8lg", 1, 16),
@@ -104,7 +108,7 @@ RULES = {
         (16, "m16n256k128s3w1x8l", 1, 16),
         (32, "m32n256k64s4w1x8l", 1, 16),
         (64, "m64n256k64s3w1x8l", 1, 16),
-        (128, "m128n128k128s3w1x8g", 1, 16),
+        (128, "m128n128k128s3w1x8gc", 1, 16),
         (256, "m256n128k64s4w1x8g", 1, 16),
         (512, "m256n128k64s4w1x8g", 2, 16),
         (2147483648, "m64n256k64s3w1x8l", 1, 16),
@@ -115,9 +119,9 @@ RULES_OVER_L2 = {
     2: [
         (16, "m16n128k128s4w1x4", 4, 16),
         (32, "m32n128k64s4w1x4rg", 4, 16),
-        (64, "m64n256k64s6w1x8rg", 1, 16),
-        (128, "m128n128k64s4w1x8rg", 2, 16),
-        (256, "m256n128k64s4w1x8g", 1, 16),
+        (64, "m64n256k64s6w1x8rgc", 1, 16),
+        (128, "m128n256k64s4w1x8rgc", 1, 16),
+        (256, "m128n256k64s4w1x8rgc", 1, 16),
         (512, "m128n128k64s4w1x8rg", 1, 16),
         (2147483648, "m128n256k64s4w1x8g", 1, 16),
     ],
@@ -125,7 +129,7 @@ RULES_OVER_L2 = {
         (16, "m16n128k128s3w1x4r", 3, 16),
         (32, "m32n128k64s4w1x4rg", 4, 16),
         (64, "m64n128k64s4w1x4rg", 3, 16),
-        (128, "m128n256k64s4w1x8rg", 1, 16),
+        (128, "m128n256k64s4w1x8rgc", 1, 16),
         (256, "m256n128k64s4w1x8g", 1, 16),
         (512, "m128n128k64s4w1x8rg", 4, 16),
         (2147483648, "m256n128k64s5w1x8lg", 1, 16),
@@ -133,8 +137,8 @@ RULES_OVER_L2 = {
     4: [
         (16, "m16n128k128s3w1x4l", 3, 16),
         (32, "m32n128k64s4w1x4rg", 2, 16),
-        (64, "m64n256k64s6w1x8rg", 1, 16),
-        (128, "m128n256k64s4w1x8rg", 1, 16),
+        (64, "m64n256k64s6w1x8rgc", 1, 16),
+        (128, "m128n256k64s4w1x8rgc", 1, 16),
         (256, "m256n128k64s4w1x8rg", 1, 16),
         (512, "m256n128k64s5w1x8lg", 1, 16),
         (2147483648, "m256n128k64s4w1x8rg", 1, 16),
@@ -143,7 +147,7 @@ RULES_OVER_L2 = {
         (16, "m16n256k128s3w1x8l", 1, 16),
         (32, "m32n256k64s4w1x8l", 1, 16),
         (64, "m64n256k64s3w1x8l", 1, 16),
-        (128, "m128n256k128s3w1x8g", 1, 16),
+        (128, "m128n256k64s4w1x8gc", 1, 16),
         (256, "m256n128k64s4w1x8g", 1, 16),
         (512, "m256n128k64s4w1x8g", 1, 16),
         (2147483648, "m256n128k64s4w1x8g", 1, 16),
