@@ -19,7 +19,7 @@ epilogue of the one before (named barrier ``_TILE_DONE``).
 Measured (session 32, perf/NOTES.md, L2-cold graphs on an H100): against the "g" twin of
 the same tiling at k = 4, M = 64 m64n256 1.01-1.08x, M = 128 m128n256 1.00-1.06x; at k = 5,
 M = 128, m128n256 "gc" against the table's m128n128k128 "g" 1.09-1.16x. M tiles of 256 rows
-lose (0.80-0.88x; not profiled: their MMA warps get 224 registers where "g" takes 254, and one
+lose (0.76-0.88x; not profiled: their MMA warps get 224 registers where "g" takes 254, and one
 warpgroup issues all 256 rows' copies). The dispatch table takes "gc" for the M = 64 / 128
 buckets where the tune measured it faster. What it does not change: the dequant's ~4.7
 instructions per weight (m64n256; the GEMV spends ~3), which bound these M.
