@@ -147,6 +147,28 @@ def test_wgmma_every_k_and_dtype(k, dtype, weights):
                 assert torch.equal(got, again), (M, name, splits, workers)
 
 
+def check_sm90_configs(k, dtype, weights, configs, Ms):
+    """Each config on two shapes (1056x1000: K past the last full slice, odd N; 4096x520:
+    long K) at each M, split-K 1 / 3 and stream-K 23 / 4 workers, against the reference and
+    bit-identical to itself. Configs the k cannot take (k = 5: no row table; a lane table
+    too large next to a 256-row ring) are left out."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma needs sm_90a")
+    for K, N in ((1056, 1000), (4096, 520)):
+        qw = weights(K, N, k)
+        for M in Ms:
+            A = torch.randn(M, K, device="cuda", dtype=dtype)
+            ref = reference(A, qw)
+            for name in configs:
+                if not GemmKernel.can_implement(k, "f16", GemmConfig.parse(name)):
+                    continue
+                for splits, workers in ((1, None), (3, None), (None, 23), (None, 4)):
+                    kw = dict(config=name, splits=splits, workers=workers, deterministic=True)
+                    got = run(A, qw, **kw)
+                    assert rel_err(got, ref) < TOL[dtype], (K, N, M, name, splits, workers)
+                    assert torch.equal(got, run(A, qw, **kw)), (K, N, M, name, splits, workers)
+
+
 SPECIALIZED_CONFIGS = ["m16n128k64s8w1x4gp", "m16n128k128s4w1x4gp", "m64n128k64s6w1x4gp"]
 
 
@@ -155,21 +177,8 @@ SPECIALIZED_CONFIGS = ["m16n128k64s8w1x4gp", "m16n128k128s4w1x4gp", "m64n128k64s
 def test_specialized_every_k_and_dtype(k, dtype, weights):
     """The warp-specialized wgmma kernel (producer warps dequantize into shared memory)
     for every k and dtype, M tiles partly filled, several tiles per CTA (stream-K runs
-    that start and end inside tiles, K runs shorter and longer than the ring); and
-    bit-identical to itself."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("wgmma needs sm_90a")
-    for K, N in ((1056, 1000), (4096, 520)):
-        qw = weights(K, N, k)
-        for M in (5, 64, 100):
-            A = torch.randn(M, K, device="cuda", dtype=dtype)
-            ref = reference(A, qw)
-            for name in SPECIALIZED_CONFIGS:
-                for splits, workers in ((1, None), (3, None), (None, 23), (None, 4)):
-                    kw = dict(config=name, splits=splits, workers=workers, deterministic=True)
-                    got = run(A, qw, **kw)
-                    assert rel_err(got, ref) < TOL[dtype], (K, N, M, name, splits, workers)
-                    assert torch.equal(got, run(A, qw, **kw)), (K, N, M, name, splits, workers)
+    that start and end inside tiles, K runs shorter and longer than the ring)."""
+    check_sm90_configs(k, dtype, weights, SPECIALIZED_CONFIGS, (5, 64, 100))
 
 
 # Copy-producer wgmma tilings (suffix "gc"): one or two tiles of the M = 128 / 256 / 64 rows.
@@ -184,23 +193,8 @@ def test_copy_producer_every_k_and_dtype(k, dtype, weights):
     """The wgmma kernel with a copy-producer warpgroup on mbarriers, every k and dtype: M
     tiles partly filled and several per CTA (the ring's phases carried across tiles, the
     epilogue staged in the ring between them), stream-K runs starting and ending inside
-    tiles, runs shorter and longer than the ring, K past the last full slice; bit-identical
-    to itself."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("wgmma needs sm_90a")
-    for K, N in ((1056, 1000), (4096, 520)):
-        qw = weights(K, N, k)
-        for M in (5, 100, 300):
-            A = torch.randn(M, K, device="cuda", dtype=dtype)
-            ref = reference(A, qw)
-            for name in PRODUCER_CONFIGS:
-                if not GemmKernel.can_implement(k, "f16", GemmConfig.parse(name)):
-                    continue  # (k = 5: no row table, a lane table too large at m256)
-                for splits, workers in ((1, None), (3, None), (None, 23), (None, 4)):
-                    kw = dict(config=name, splits=splits, workers=workers, deterministic=True)
-                    got = run(A, qw, **kw)
-                    assert rel_err(got, ref) < TOL[dtype], (K, N, M, name, splits, workers)
-                    assert torch.equal(got, run(A, qw, **kw)), (K, N, M, name, splits, workers)
+    tiles, runs shorter and longer than the ring."""
+    check_sm90_configs(k, dtype, weights, PRODUCER_CONFIGS, (5, 100, 300))
 
 
 @pytest.mark.parametrize("splits", [2, 5, 16])
