@@ -141,8 +141,9 @@ class GemmConfig:
 
     @property
     def block_threads(self) -> int:
-        """Threads of a CTA: the MMA threads, and where specialized as many producers per
-        32-weight block of a K slice (``gemm_ws``)."""
+        """Threads of a CTA: the MMA threads, plus the copy producer's warpgroup ("c",
+        ``gemm_wgmma_producer``) or, where specialized, as many producers per 32-weight block
+        of a K slice (``gemm_ws``)."""
         if self.producer:
             return self.threads + PRODUCER_THREADS
         return self.threads * (1 + self.tile_k // 32 if self.specialized else 1)
@@ -387,6 +388,19 @@ class GemmKernel:
         # a grid of whole tiles leaves the last wave partly empty.
         run = self.stream_k_run(M, N, K, worker, workers, run_gcd)
         base_u8 = self.allocate_tile_smem(SmemAllocator())
+        self.run_tiles(
+            base_u8, run, pA, pPacked, pAbsmax, pCodebook, pScale, pBias, pOut, pWorkspace,
+            pCounters, M, N, K, has_bias, atomic,
+        )  # fmt: skip
+
+    @cute.jit
+    def run_tiles(
+        self, base_u8, run, pA, pPacked, pAbsmax, pCodebook, pScale, pBias, pOut, pWorkspace,
+        pCounters, M, N, K, has_bias, atomic,
+    ):  # fmt: skip
+        """The worker's run (``stream_k_run``) tile by tile in the shared memory at
+        ``base_u8``: the pair table, then ``tile`` for each (a subclass may split the CTA
+        into roles here: ``gemm_wgmma_producer``)."""
         self.build_pair_table(pCodebook, base_u8 + self.plan["table"])
         for t in cutlass.range(run[0], run[1], unroll=1):
             m_cta, n_cta, kt_begin, kt_end, handover = self.tile_work(t, run)

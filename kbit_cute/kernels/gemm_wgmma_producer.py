@@ -11,10 +11,11 @@ warpgroup waits only for the slice it needs, so the two drift apart and one's de
 run while the other's wgmmas hold the tensor cores; the copy instructions and their
 address math leave the MMA warps.
 
-Registers: the producer gives its share back (``setmaxnreg``) so that the MMA warps keep
-the "g" kernel's budget (``MMA_REGS``). The epilogue stages its tile in the ring, as in
-"g": the producer starts a tile's copies only after the MMA warps have finished the
-epilogue of the one before (named barrier ``_TILE_DONE``).
+Registers: the producer gives its share back (``setmaxnreg``: ``PRODUCER_REGS``), the MMA
+warps take the rest (``mma_regs``: 224 at two warpgroups, where "g" may use 255). The
+epilogue stages its tile in the ring, as in "g": the producer starts a tile's copies only
+after the MMA warps have finished the epilogue of the one before (named barrier
+``_TILE_DONE``).
 
 Measured (session 32, perf/NOTES.md, L2-cold graphs on an H100): against the "g" twin of
 the same tiling at k = 4, M = 64 m64n256 1.01-1.08x, M = 128 m128n256 1.00-1.06x; at k = 5,
@@ -32,9 +33,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Int32
 from cutlass.cute.nvgpu import warpgroup
-from cutlass.memory import SmemAllocator
 
-from .device_helpers import wait_previous_kernel
 from .gemm import PRODUCER_THREADS
 from .gemm_wgmma import WgmmaGemmKernel
 
@@ -74,31 +73,13 @@ class ProducerGemmKernel(WgmmaGemmKernel):
         if tidx < self.threads:
             WgmmaGemmKernel.build_pair_table(self, pCodebook, sTable_u8)
 
-    @cute.kernel
-    def kernel(
-        self,
-        pA: cute.Pointer,
-        pPacked: cute.Pointer,
-        pAbsmax: cute.Pointer,
-        pCodebook: cute.Pointer,
-        pScale: cute.Pointer,
-        pBias: cute.Pointer,
-        pOut: cute.Pointer,
-        pWorkspace: cute.Pointer,
-        pCounters: cute.Pointer,
-        M: Int32,
-        N: Int32,
-        K: Int32,
-        workers: Int32,
-        run_gcd: Int32,
-        has_bias: Int32,
-        atomic: Int32,
-    ):
-        worker, _, _ = cute.arch.block_idx()
+    @cute.jit
+    def run_tiles(
+        self, base_u8, run, pA, pPacked, pAbsmax, pCodebook, pScale, pBias, pOut, pWorkspace,
+        pCounters, M, N, K, has_bias, atomic,
+    ):  # fmt: skip
+        """The ring's mbarriers and the pair table, then the two roles over the run."""
         tidx, _, _ = cute.arch.thread_idx()
-        wait_previous_kernel(self.pdl)
-        run = self.stream_k_run(M, N, K, worker, workers, run_gcd)
-        base_u8 = self.allocate_tile_smem(SmemAllocator())
         ring = pipeline.PipelineCpAsync.create(
             barrier_storage=cute.recast_ptr(base_u8 + self.plan["bars"], dtype=cutlass.Int64),
             num_stages=self.cfg.stages,
@@ -138,13 +119,13 @@ class ProducerGemmKernel(WgmmaGemmKernel):
                 filled = filled + 1
 
     def ring_state(self, count, producer: bool = False):
-        """The pipeline state of the ``count``-th slice through the ring (a producer waits
-        on the empty barriers, whose first phase counts as complete)."""
-        stages = self.cfg.stages
-        phase = (count // stages) % 2
-        if producer:
-            phase = phase ^ 1
-        return pipeline.PipelineState(stages, count, count % stages, phase)
+        """The pipeline state of the ``count``-th slice through the ring (the producer's
+        starts on the empty barriers' completed first phase)."""
+        roles = pipeline.PipelineUserType
+        role = roles.Producer if producer else roles.Consumer
+        state = pipeline.make_pipeline_state(role, self.cfg.stages)
+        state.advance(count)
+        return state
 
     @cute.jit
     def consume(
