@@ -94,6 +94,40 @@ class WgmmaGemmKernel(GemmKernel):
         ptr = cute.recast_ptr(ptr_u8, layout.inner, dtype=self.dtype)
         return cute.make_tensor(ptr, layout.outer)
 
+    def mma_fragments(self, base_u8, tidx):
+        """(tiled MMA, thread slice, weight fragments A and their 32-bit view, activation
+        descriptors B over the ring's stages, accumulators C) of MMA thread ``tidx``."""
+        cfg = self.cfg
+        tiled_mma = self.make_tiled_mma()
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)  # onto the zeroed accumulators
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(self.b_smem_tensor(base_u8)))
+        # (register fragments: the stand-ins give their shapes)
+        stand_in = cute.make_tensor(base_u8, cute.make_layout((cfg.tile_n, cfg.tile_k)))
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(stand_in))  # ((2,2,2), MT, KS)
+        tCrA32 = cute.recast_tensor(tCrA, Int32)  # ((1,2,2), MT, KS)
+        stand_in = cute.make_tensor(base_u8, cute.make_layout((cfg.tile_n, cfg.tile_m)))
+        tCrC = tiled_mma.make_fragment_C(thr_mma.partition_C(stand_in))
+        return tiled_mma, thr_mma, tCrA, tCrA32, tCrB, tCrC
+
+    def issue_block(self, tiled_mma, tCrC, tCrA, tCrB, stage, blk: int):
+        """The wgmmas of 32-weight block ``blk`` (two k16 steps) on ring stage ``stage`` as
+        one commit group, then wait for all groups before it."""
+        warpgroup.fence()
+        for s in range(2 * blk, 2 * blk + 2):
+            cute.gemm(tiled_mma, tCrC, tCrA[None, None, s], tCrB[None, None, s, stage], tCrC)
+        warpgroup.commit_group()
+        warpgroup.wait_group(1)
+
+    def block_registers(self, regs, stage, blk: int):
+        """Weight registers of block ``blk`` of the slice in ring stage ``stage``, its repack
+        tile's plane words loaded first where the block starts one. ``regs`` = (sW, sS,
+        sTable_u8, rP, rS, tCrA32, col0, t4)."""
+        sW, sS, sTable_u8, rP, rS, tCrA32, col0, t4 = regs
+        if blk % 2 == 0:
+            self.load_b_rk(sW, sS, rP, rS, stage, blk // 2, col0)
+        self.dequant_block(sTable_u8, rP, rS, tCrA32, blk, t4)
+
     @cute.jit
     def tile(
         self, base_u8, pA, pPacked, pAbsmax, pScale, pBias, pOut, pWorkspace, pCounters,
@@ -104,15 +138,7 @@ class WgmmaGemmKernel(GemmKernel):
         n_iter = kt_end - kt_begin
         sA, sW, sS, sTable_u8, sFlag = self.smem_views(base_u8)  # sA: the cp.async side
 
-        tiled_mma = self.make_tiled_mma()
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)  # onto the zeroed accumulators
-        thr_mma = tiled_mma.get_slice(tidx)
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(self.b_smem_tensor(base_u8)))
-        stand_in = cute.make_tensor(sA.iterator, cute.make_layout((cfg.tile_n, cfg.tile_k)))
-        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(stand_in))  # ((2,2,2), MT, KS)
-        tCrA32 = cute.recast_tensor(tCrA, Int32)  # ((1,2,2), MT, KS)
-        stand_in = cute.make_tensor(sA.iterator, cute.make_layout((cfg.tile_n, cfg.tile_m)))
-        tCrC = tiled_mma.make_fragment_C(thr_mma.partition_C(stand_in))
+        tiled_mma, thr_mma, tCrA, tCrA32, tCrB, tCrC = self.mma_fragments(base_u8, tidx)
         tCrC.fill(0.0)
 
         ring = self.ring_sources(pA, pPacked, pAbsmax, sA, sW, sS, M, N, K, m_cta, n_cta)
@@ -131,23 +157,15 @@ class WgmmaGemmKernel(GemmKernel):
         rS = cute.make_rmem_tensor((self.nj,), Int32)
         read_stage = Int32(0)
         write_stage = Int32(ahead)
-        self.load_b_rk(sW, sS, rP, rS, read_stage, 0, col0)
-        self.dequant_block(sTable_u8, rP, rS, tCrA32, 0, t4)
+        regs = (sW, sS, sTable_u8, rP, rS, tCrA32, col0, t4)
+        self.block_registers(regs, read_stage, 0)
 
         nb = self.ks // 2  # 32-weight blocks per k-slice: two k16 steps each
         for it in cutlass.range(n_iter, unroll=1):
             for blk in cutlass.range_constexpr(nb):
-                # The block's two wgmmas are one commit group; after its wait only that
-                # group is in flight, so every other block's registers, and the stage read
-                # two slices ago, are free while it runs.
-                warpgroup.fence()
-                for s in cutlass.range_constexpr(2 * blk, 2 * blk + 2):
-                    cute.gemm(
-                        tiled_mma, tCrC, tCrA[None, None, s], tCrB[None, None, s, read_stage],
-                        tCrC,
-                    )  # fmt: skip
-                warpgroup.commit_group()
-                warpgroup.wait_group(1)
+                # After it only this block's group is in flight, so every other block's
+                # registers, and the stage read two slices ago, are free while it runs.
+                self.issue_block(tiled_mma, tCrC, tCrA, tCrB, read_stage, blk)
                 if blk == 0:
                     write_stage = self.refill(ring, kt_begin + it + ahead, kt_end, write_stage)
                 # The next block's registers, while this block's wgmmas run.
@@ -159,12 +177,9 @@ class WgmmaGemmKernel(GemmKernel):
                         read_stage = 0
                     cute.arch.cp_async_wait_group(ahead - 1)
                     cute.arch.sync_threads()
-                    self.load_b_rk(sW, sS, rP, rS, read_stage, 0, col0)
-                    self.dequant_block(sTable_u8, rP, rS, tCrA32, 0, t4)
+                    self.block_registers(regs, read_stage, 0)
                 else:
-                    if (blk + 1) % 2 == 0:
-                        self.load_b_rk(sW, sS, rP, rS, read_stage, (blk + 1) // 2, col0)
-                    self.dequant_block(sTable_u8, rP, rS, tCrA32, blk + 1, t4)
+                    self.block_registers(regs, read_stage, blk + 1)
 
         warpgroup.wait_group(0)
         cute.arch.cp_async_wait_group(0)

@@ -137,19 +137,10 @@ class ProducerGemmKernel(WgmmaGemmKernel):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         _, sW, sS, sTable_u8, sFlag = self.smem_views(base_u8)
-        tiled_mma = self.make_tiled_mma()
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)  # onto the zeroed accumulators
-        thr_mma = tiled_mma.get_slice(tidx)
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(self.b_smem_tensor(base_u8)))
-        stand_in = cute.make_tensor(base_u8, cute.make_layout((cfg.tile_n, cfg.tile_k)))
-        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(stand_in))  # ((2,2,2), MT, KS)
-        tCrA32 = cute.recast_tensor(tCrA, Int32)
-        stand_in = cute.make_tensor(base_u8, cute.make_layout((cfg.tile_n, cfg.tile_m)))
-        tCrC = tiled_mma.make_fragment_C(thr_mma.partition_C(stand_in))
-        t4 = tidx % 4
-        col0 = self.rep0_column(tidx)
+        tiled_mma, thr_mma, tCrA, tCrA32, tCrB, tCrC = self.mma_fragments(base_u8, tidx)
         rP = cute.make_rmem_tensor((2 * self.k, self.nj), Int32)
         rS = cute.make_rmem_tensor((self.nj,), Int32)
+        regs = (sW, sS, sTable_u8, rP, rS, tCrA32, self.rep0_column(tidx), tidx % 4)
         nb = self.ks // 2  # 32-weight blocks per K slice: two k16 steps each
         used = Int32(0)  # slices consumed so far, over the run's tiles
         for t in cutlass.range(run[0], run[1], unroll=1):
@@ -157,32 +148,20 @@ class ProducerGemmKernel(WgmmaGemmKernel):
             n_iter = kt_end - kt_begin
             tCrC.fill(0.0)
             self.wait_slice(ring, used)
-            stage = used % cfg.stages
-            self.load_b_rk(sW, sS, rP, rS, stage, 0, col0)
-            self.dequant_block(sTable_u8, rP, rS, tCrA32, 0, t4)
+            self.block_registers(regs, used % cfg.stages, 0)
             for it in cutlass.range(n_iter, unroll=1):
                 stage = (used + it) % cfg.stages
                 for blk in cutlass.range_constexpr(nb):
-                    warpgroup.fence()
-                    for s in cutlass.range_constexpr(2 * blk, 2 * blk + 2):
-                        cute.gemm(
-                            tiled_mma, tCrC, tCrA[None, None, s], tCrB[None, None, s, stage], tCrC
-                        )
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(1)
+                    self.issue_block(tiled_mma, tCrC, tCrA, tCrB, stage, blk)
                     if blk == 0 and it > 0:
                         # Only this block's wgmmas are in flight: the slice before is done.
                         ring.consumer_release(self.ring_state(used + it - 1))
                     if blk == nb - 1:
                         if it + 1 < n_iter:
                             self.wait_slice(ring, used + it + 1)
-                            nxt = (used + it + 1) % cfg.stages
-                            self.load_b_rk(sW, sS, rP, rS, nxt, 0, col0)
-                            self.dequant_block(sTable_u8, rP, rS, tCrA32, 0, t4)
+                            self.block_registers(regs, (used + it + 1) % cfg.stages, 0)
                     else:
-                        if (blk + 1) % 2 == 0:
-                            self.load_b_rk(sW, sS, rP, rS, stage, (blk + 1) // 2, col0)
-                        self.dequant_block(sTable_u8, rP, rS, tCrA32, blk + 1, t4)
+                        self.block_registers(regs, stage, blk + 1)
             warpgroup.wait_group(0)
             ring.consumer_release(self.ring_state(used + n_iter - 1))
             used = used + n_iter
