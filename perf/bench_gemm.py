@@ -300,13 +300,33 @@ class TableUpdate(NamedTuple):
     rules_small: dict | None = None  # rows of small weights (``gd.small_weight``)
 
 
-def table_from(records: list[dict], keep_tilings: bool = False) -> TableUpdate:
+def compile_gate():
+    """(k, config name) -> whether that variant passes the compile gate CI enforces on the
+    table's rows (``tests/test_inspect.py``: no spills, its instruction classes present),
+    fp16 and bf16, for this process's target (``CUTE_DSL_ARCH=sm_90a`` without a GPU). A
+    tuned row can be fast and still spill (session 32: k = 5's m128n256k64s4w1x8gc)."""
+    from kbit_cute.inspect import inspect_spec
+
+    verdicts: dict[tuple[int, str], bool] = {}
+
+    def passes(k: int, name: str) -> bool:
+        if (k, name) not in verdicts:
+            cfg = GemmConfig.parse(name)
+            rows = [inspect_spec(gemm_spec(k, dt, cfg)) for dt in ("f16", "bf16")]
+            verdicts[(k, name)] = all(r["ok"] for r in rows)
+        return verdicts[(k, name)]
+
+    return passes
+
+
+def table_from(records: list[dict], keep_tilings: bool = False, gate=None) -> TableUpdate:
     """The table's rows and cuBLAS thresholds from tune records (any subset of k, buckets
     and shapes). Records of weights over the L2 (``over_l2``, set by ``tune``) make that
     class's rows, those of small weights (``gd.small_weight``, by size) RULES_SMALL (without
     the buckets where they chose the general row itself), the others the general rows.
     ``keep_tilings``: choose only among the tilings the table already has for that k (a
-    re-tune of densities and rows that adds no variant to compile and validate)."""
+    re-tune of densities and rows that adds no variant to compile and validate). ``gate``:
+    (k, config name) -> bool (``compile_gate``); a row is the best candidate that passes."""
     from kbit_cute.kernels import gemm_table
 
     if keep_tilings:
@@ -322,12 +342,12 @@ def table_from(records: list[dict], keep_tilings: bool = False) -> TableUpdate:
             small.append(r)
         else:
             general.append(r)
-    rules, cublas_from = _class_table(general, gemm_table.CUBLAS_FROM_M)
+    rules, cublas_from = _class_table(general, gemm_table.CUBLAS_FROM_M, gate)
     old_over = {**gemm_table.CUBLAS_FROM_M, **gemm_table.CUBLAS_FROM_M_OVER_L2}
-    rules_over, cublas_over = _class_table(over, old_over)
+    rules_over, cublas_over = _class_table(over, old_over, gate)
     # Small weights' cuBLAS thresholds are CUBLAS_FROM_M_SMALL's (``--write-small-from``).
     # A bucket whose winner is the general row itself gets no row: it follows that row.
-    rules_small, _ = _class_table(small, {})
+    rules_small, _ = _class_table(small, {}, gate)
     merged_general, _ = _merged(gemm_table.RULES, rules)
     for k in list(rules_small):
         general_row = {r[0]: r for r in merged_general.get(k, ())}
@@ -365,9 +385,10 @@ def small_weight_rows(records: list[dict]) -> list[tuple[int, dict]]:
     return rows
 
 
-def _class_table(records: list[dict], old_cublas_from: dict) -> tuple[dict, dict]:
+def _class_table(records: list[dict], old_cublas_from: dict, gate=None) -> tuple[dict, dict]:
     """(rules, cuBLAS thresholds) per k from one class's records: per bucket the candidate
-    (tiling, CTAs per SM) with the smallest geometric mean of time / the point's best."""
+    (tiling, CTAs per SM) with the smallest geometric mean of time / the point's best, among
+    those whose tiling passes ``gate`` (checked best first: a gate compiles)."""
 
     rules, cublas_from = {}, {}
     for k in sorted({r["k"] for r in records}):
@@ -386,6 +407,13 @@ def _class_table(records: list[dict], old_cublas_from: dict) -> tuple[dict, dict
                     r["us"] / best[(r["K"], r["N"], r["M"])]
                 )
             sc = {c: _geomean(v) for c, v in cands.items() if len(v) == len(points)}
+            if gate is not None:  # drop failing candidates down to the best that passes
+                # (the slower ones stay unchecked: the reuse below only takes tilings the
+                # table or another bucket already has, which passed)
+                for c in sorted(sc, key=sc.get):
+                    if gate(k, c[0]):
+                        break
+                    del sc[c]
             if not sc:  # no candidate timed at every point (JSONs of different candidates)
                 continue
             scores[m_max] = sc
@@ -589,6 +617,8 @@ def main(argv=None) -> None:
     p.add_argument("--write-small-from", nargs="+", type=Path,
                    help="report JSONs (kernel and dequantize + cuBLAS per point) -> the "
                         "table's CUBLAS_FROM_M_SMALL")  # fmt: skip
+    p.add_argument("--no-gate", action="store_true",
+                   help="table writes: take rows without the compile gate (no spills)")  # fmt: skip
     p.add_argument("--keep-tilings", action="store_true",
                    help="--write-table-from: only tilings the table already has")  # fmt: skip
     p.add_argument("--atomic", action="store_true",
@@ -602,7 +632,7 @@ def main(argv=None) -> None:
 
     if args.write_table_from:
         recs, gpu, command = _measured(args.write_table_from, command)
-        update = table_from(recs, args.keep_tilings)
+        update = table_from(recs, args.keep_tilings, None if args.no_gate else compile_gate())
         write_table(update, gpu, command)
         print(f"wrote {TABLE_PATH}: k = {sorted(update.rules)}, "
               f"over the L2 k = {sorted(update.rules_over_l2)}, "
@@ -644,7 +674,8 @@ def main(argv=None) -> None:
                                         records=records), indent=1))  # fmt: skip
         print(f"{len(records)} measurements in {time.time() - t0:.0f} s -> {path}")
         if args.write_table:
-            write_table(table_from(records), gpu, command)
+            write_table(table_from(records, gate=None if args.no_gate else compile_gate()),
+                        gpu, command)  # fmt: skip
             print(f"wrote {TABLE_PATH}")
         return
 

@@ -398,6 +398,30 @@ def test_benchmark_writes_a_loadable_table(tmp_path, monkeypatch, provisional):
     assert mod.MEASURED_ON == "Test GPU" and set(mod.RULES) == {2, 3, 4, 5}
 
 
+def test_table_rows_pass_the_compile_gate():
+    """A tiling the gate refuses (one that spills) never becomes a row: the bucket takes the
+    best candidate that passes, and the gate is asked only down to that one."""
+    from perf import bench_gemm as bg
+
+    recs = []
+    for K, N in bg.SHAPES[:2]:
+        base = dict(K=K, N=N, k=5, M=128, m_max=128)
+        for us, name in ((10.0, "m128n256k64s4w1x8gc"), (11.0, "m128n128k64s4w1x8g"),
+                         (12.0, "m128n256k64s4w1x8g")):  # fmt: skip
+            recs.append(dict(base, impl="kernel", config=name, ctas_per_sm=1, us=us))
+    asked = []
+
+    def gate(k, name):
+        asked.append(name)
+        return name != "m128n256k64s4w1x8gc"
+
+    assert bg.table_from(recs).rules[5] == [(128, "m128n256k64s4w1x8gc", 1, bg.MAX_SPLITS)]
+    assert bg.table_from(recs, gate=gate).rules[5] == [
+        (128, "m128n128k64s4w1x8g", 1, bg.MAX_SPLITS)
+    ]
+    assert asked == ["m128n256k64s4w1x8gc", "m128n128k64s4w1x8g"]
+
+
 def test_tuning_some_buckets_keeps_the_other_rows(tmp_path):
     """``bench_gemm --tune --buckets``: the measured buckets' rows are replaced, the others
     and the cuBLAS threshold stay, and the command history keeps the earlier tune."""
