@@ -51,6 +51,24 @@ def test_pair_row_offsets_address_each_lanes_copy(k, gen):
                 assert (i0, i1) == (idx[blk, 8 * c + 2 * t], idx[blk, 8 * c + 2 * t + 1])
 
 
+def test_pair_half_offsets_address_each_lanes_copy(gen):
+    """Half-row table addresses (k = 4): 128 q + 4 lane, q = p rotated right by one bit, p
+    decoding to the thread's element pairs."""
+    k = 4
+    idx = torch.randint(0, 1 << k, (64, 32), generator=gen, dtype=torch.uint8)
+    packed = fmt.pack_bitplanes(idx, k).view(64, k)
+    entry_pair = {dh.pair_half_entry(p): p for p in range(256)}
+    assert sorted(entry_pair) == list(range(256))
+    for blk in range(64):
+        planes = [int(w) & 0xFFFFFFFF for w in packed[blk].tolist()]
+        for lane in (0, 6, 31):
+            t = lane % 4
+            for c, addr in enumerate(dh.pair_half_offsets(planes, t, 4 * lane * 0x01010101)):
+                assert addr % 128 == 4 * lane and addr < 128 << (2 * k)
+                i0, i1 = dh.pair_table_index(entry_pair[addr // 128], k)
+                assert (i0, i1) == (idx[blk, 8 * c + 2 * t], idx[blk, 8 * c + 2 * t + 1])
+
+
 @pytest.mark.parametrize("k", KS)
 def test_pair_table_index_is_a_bijection(k):
     pairs = {dh.pair_table_index(p, k) for p in range(1 << (2 * k))}

@@ -105,8 +105,9 @@ def test_every_tile_config(name, weights):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", KS)
 def test_lane_table_gives_the_same_bits(k, dtype, weights):
-    """The pair tables with a copy per lane (lane-replicated, rows of 256 bytes: k <= 4)
-    hold the compact table's values: same bits out."""
+    """The pair tables with a copy per lane (lane-replicated, rows of 256 bytes: k <= 4,
+    the lane table's layout addressed by PRMT: k = 4) hold the compact table's values:
+    same bits out."""
     K, N = 1056, 1000
     qw = weights(K, N, k)
     A = torch.randn(37, K, device="cuda", dtype=dtype)
@@ -117,6 +118,9 @@ def test_lane_table_gives_the_same_bits(k, dtype, weights):
     if k <= 4:
         rows = run(A, qw, config="m16n128k64s4w1x4r", splits=2, deterministic=True)
         assert torch.equal(rows, compact)
+    if k == 4:
+        half = run(A, qw, config="m16n128k64s4w1x4h", splits=2, deterministic=True)
+        assert torch.equal(half, compact)
 
 
 # (the last: K slices of 128, four blocks per slice, as the k = 5 rows of M <= 128)

@@ -449,6 +449,34 @@ def pair_row_offsets(planes: list, t, k: int, lane4) -> list:
     return _prmt4(lo, lane4, [4 | (c << 4) | (0xC << 8) | (0xC << 12) for c in range(4)], t)
 
 
+# The lane table's copy per lane (entry q of lane l at 128 q + 4 l: 32 KB at k = 4, half the
+# row table) addressed without the lane table's LEA: the PRMT takes the address's byte 0 from
+# a word whose bytes hold 4 x lane and one index bit at bit 7, byte 1 from a word whose
+# bytes hold the other 7 bits. Plane 0's pair bits land at bits 6, 7 of byte c, planes
+# 1..3 at bits 0..5: the entry q = p rotated right by one bit (``pair_half_entry``).
+HALF_LANE_MASK = 0x80808080
+
+
+def pair_half_entry(p: int) -> int:
+    """Half-row table entry of interleaved pair index p (8 bits): p rotated right by one."""
+    return (p >> 1) | ((p & 1) << 7)
+
+
+def pair_half_offsets(planes: list, t, lane4x4) -> list:
+    """k = 4 plane words of a block -> this thread's 4 byte addresses 128 q + 4 lane in the
+    lane-replicated table (``pair_half_entry``); ``lane4x4`` = 4 x lane in every byte.
+    2k + 5 instructions: the row table's 2k + 4 plus one LOP3 for the lane word, where the
+    lane table pays an LEA per pair. Python ints when ``t`` is an int."""
+    rot = [_pair_bits(planes[b], t, to_bit, None) for b, to_bit in enumerate((6, 0, 2, 4))]
+    lane_word = bit_select(HALF_LANE_MASK, rot[0], lane4x4)  # bit 7: plane 0's second bit
+    # Bits 6..0 from plane 0 (first bit), 3, 2, 1; bit 7 stays zero, so that the PRMT's
+    # sign fill of the upper bytes reads zeros.
+    hi = rot[0] & (0x40404040 if isinstance(rot[0], int) else Uint32(0x40404040))
+    for b, keep in ((3, 0xC0C0C0C0), (2, 0xF0F0F0F0), (1, 0xFCFCFCFC)):
+        hi = bit_select(keep, hi, rot[b])
+    return _prmt4(lane_word, hi, [c | ((4 + c) << 4) | (0xC << 8) | (0xC << 12) for c in range(4)], t)
+
+
 def _rotr_host(x: int, n: int) -> int:
     x &= 0xFFFFFFFF
     return ((x >> n) | (x << (32 - n))) & 0xFFFFFFFF if n else x

@@ -55,6 +55,7 @@ from .device_helpers import (
     cta_sync,
     g2s_copy_atom,
     mul_x2,
+    pair_half_offsets,
     pair_offsets,
     pair_row_offsets,
     prmt,
@@ -83,8 +84,8 @@ PRODUCER_THREADS = 128  # the copy-producer warpgroup of a "c" config
 
 # ----------------------------------------------------------------------------- config
 
-TABLE_LAYOUTS = ("compact", "lane", "row")
-_TABLE_SUFFIX = {"compact": "", "lane": "l", "row": "r"}  # in the config name
+TABLE_LAYOUTS = ("compact", "lane", "row", "half")
+_TABLE_SUFFIX = {"compact": "", "lane": "l", "row": "r", "half": "h"}  # in the config name
 _TABLE_OF_SUFFIX = {suffix: layout for layout, suffix in _TABLE_SUFFIX.items()}
 
 
@@ -108,6 +109,10 @@ class GemmConfig:
     #   byte (``pair_row_offsets``), so the lane costs no instruction (the lane table's LEA
     #   is one in ~9 of the mainloop's). Twice the lane table's memory (half of each row
     #   unused).
+    # "half" (suffix "h", k = 4): the lane table's memory and conflict-free copies, addressed
+    #   by the PRMT as in a row table, with one index bit beside the lane's byte
+    #   (``pair_half_offsets``: one LOP3 per 8 weights more than "row", 3 fewer than "lane"),
+    #   so that 3 CTAs of M tile 16 fit an SM where the row table's 64 KB allow 2.
     table: str = "compact"
     # Warpgroup MMA (name suffix "g", sm_90a: ``gemm_wgmma.WgmmaGemmKernel``): the
     # dequantized weights are wgmma's register operand, the activations its shared-memory
@@ -129,6 +134,10 @@ class GemmConfig:
     @property
     def row_table(self) -> bool:
         return self.table == "row"
+
+    @property
+    def half_table(self) -> bool:
+        return self.table == "half"
 
     @property
     def copy_per_lane(self) -> bool:
@@ -169,7 +178,7 @@ class GemmConfig:
         """Inverse of ``name`` (the dispatch table stores names)."""
         import re
 
-        m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)x(\d+)([lr]?)(g?)([pc]?)", name)
+        m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)x(\d+)([lrh]?)(g?)([pc]?)", name)
         if m is None:
             raise ValueError(f"not a GEMM config name: {name!r}")
         return GemmConfig(
@@ -243,7 +252,7 @@ def _smem_plan(cfg: GemmConfig, k: int) -> dict:
         pipe = h + WEIGHT_TILES * h_stage
     epi = cfg.tile_m * (cfg.tile_n + _C_PAD) * 2
     union = -(-max(pipe, epi) // 1024) * 1024
-    table = (4 << (2 * k)) * (_LANES if cfg.lane_table else 1)
+    table = (4 << (2 * k)) * (_LANES if cfg.lane_table or cfg.half_table else 1)
     if cfg.row_table:
         table = _ROW_BYTES << (2 * k)
     return dict(
@@ -316,6 +325,8 @@ class GemmKernel:
             out.append(f"dtype must be 'f16' or 'bf16', got {dtype!r}")
         if config.row_table and k > 4:
             out.append(f"a row table needs 2k <= 8 index bits, k={k}")
+        if config.half_table and k != 4:
+            out.append(f"a half-row table is for k = 4 (k < 4: the row table is small), k={k}")
         return out
 
     @staticmethod
@@ -691,7 +702,7 @@ class GemmKernel:
         active = self.table_stores() % self.threads == 0 or q < self.table_stores()
         if self.cfg.row_table:
             return (q // 8, (q // 8) * _ROW_BYTES + (q % 8) * 16), active
-        if self.cfg.lane_table:
+        if self.cfg.lane_table or self.cfg.half_table:
             return (q // 8, q * 16), active
         return (q, q * 4), active
 
@@ -709,6 +720,8 @@ class GemmKernel:
         copies = cute.make_rmem_tensor((self.table_store_bytes() // 4,), Int32)
         for i in cutlass.range_constexpr(self.table_passes()):
             (p, off), active = self.table_plan(tidx, i)
+            if cutlass.const_expr(self.cfg.half_table):
+                p = ((p << 1) | (p >> 7)) & 0xFF  # entry q holds pair q rotated left by one
             if active:
                 i0 = Int32(0)
                 i1 = Int32(0)
@@ -858,6 +871,8 @@ class GemmKernel:
             planes = [Uint32(rP[kb2 * k + b, j]) for b in range(k)]
             if cutlass.const_expr(self.cfg.row_table):
                 offsets = pair_row_offsets(planes, t4, k, lane4)
+            elif cutlass.const_expr(self.cfg.half_table):
+                offsets = pair_half_offsets(planes, t4, Uint32(lane4) * Uint32(0x01010101))
             else:
                 offsets = pair_offsets(planes, t4, k)
             code = prmt(Uint32(rS[j]), Uint32(0), 0x4440 | kb2)  # byte kb2, zero-extended
@@ -877,7 +892,7 @@ class GemmKernel:
     def table_load(self, sTable_u8, off, lane4):
         """32-bit entry of the pair table at compact byte offset ``off`` (4 x the pair
         index); in a lane-replicated table, this lane's copy (``lane4`` = 4 x lane); in a
-        row table ``off`` is the lane's copy already."""
+        row or half-row table ``off`` is the lane's copy already."""
         if cutlass.const_expr(self.cfg.lane_table):
             off = (Int32(off) << 5) + lane4  # one LEA
         ptr = cute.recast_ptr(sTable_u8 + cute.assume(Int32(off), divby=4), dtype=Int32)

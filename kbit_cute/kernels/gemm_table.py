@@ -73,7 +73,19 @@ COMMAND = (
     "python -m perf.bench_gemm --tune --candidates table --with m64n256k64s6w1x8rgc "
     "m64n256k64s6w1x8gc m128n128k64s4w1x8rgc m128n256k64s4w1x8rgc m128n256k64s4w1x8gc "
     "m128n128k128s3w1x8gc m256n128k64s4w1x8gc --buckets 64 128 256 --k 2 3 4 5 --jobs 16 "
-    "--json /root/out/tune_gc.json; python -m perf.bench_gemm --write-table-from tune_gc.json"
+    "--json /root/out/tune_gc.json; python -m perf.bench_gemm --write-table-from "
+    "tune_gc.json; then python -m perf.bench_gemm --tune --candidates table --with "
+    "m16n128k128s3w1x4h m16n128k64s4w1x4h m16n128k64s3w1x4h m16n256k128s3w1x8h "
+    "m16n128k128s3w1x4hg m32n128k64s4w1x4hg m32n128k64s4w1x4h m32n128k128s3w1x4h "
+    "m32n256k64s4w1x8h m64n128k64s4w1x4hg m64n128k64s3w1x4h m64n256k64s6w1x8hgc "
+    "m64n256k64s4w1x8hg --buckets 16 32 64 --k 4 --shapes 8192x28672 4096x14336 14336x4096 "
+    "--jobs 16 --json /root/out/tune_h.json; python -m perf.bench_gemm --tune --candidates "
+    "table --with m16n128k128s3w1x4h m16n128k64s4w1x4h m16n128k64s3w1x4h m16n256k128s3w1x8h "
+    "m16n128k128s3w1x4hg m32n128k64s4w1x4hg m32n128k64s4w1x4h m32n128k128s3w1x4h "
+    "m32n256k64s4w1x8h m64n128k64s4w1x4hg m64n128k64s3w1x4h m64n256k64s6w1x8hgc "
+    "m64n256k64s4w1x8hg --buckets 16 32 64 --k 4 --shapes 28672x8192 --jobs 16 --json "
+    "/root/out/tune_h2.json; python -m perf.bench_gemm --write-table-from /tmp/tune_h.json "
+    "/tmp/tune_h2.json"
 )
 
 RULES = {
@@ -97,7 +109,7 @@ RULES = {
     ],
     4: [
         (16, "m16n128k128s3w1x4r", 2, 16),
-        (32, "m32n128k64s4w1x4rg", 2, 16),
+        (32, "m32n128k64s4w1x4hg", 3, 16),
         (64, "m64n256k64s6w1x8rgc", 1, 16),
         (128, "m128n128k64s4w1x8rg", 1, 16),
         (256, "m256n128k64s5w1x8lg", 1, 16),
@@ -135,8 +147,8 @@ RULES_OVER_L2 = {
         (2147483648, "m256n128k64s5w1x8lg", 1, 16),
     ],
     4: [
-        (16, "m16n128k128s3w1x4l", 3, 16),
-        (32, "m32n128k64s4w1x4rg", 2, 16),
+        (16, "m16n128k128s3w1x4h", 3, 16),
+        (32, "m32n128k64s4w1x4hg", 3, 16),
         (64, "m64n256k64s6w1x8rgc", 1, 16),
         (128, "m128n256k64s4w1x8rgc", 1, 16),
         (256, "m256n128k64s4w1x8rg", 1, 16),
