@@ -474,7 +474,8 @@ def pair_half_offsets(planes: list, t, lane4x4) -> list:
     hi = rot[0] & (0x40404040 if isinstance(rot[0], int) else Uint32(0x40404040))
     for b, keep in ((3, 0xC0C0C0C0), (2, 0xF0F0F0F0), (1, 0xFCFCFCFC)):
         hi = bit_select(keep, hi, rot[b])
-    return _prmt4(lane_word, hi, [c | ((4 + c) << 4) | (0xC << 8) | (0xC << 12) for c in range(4)], t)
+    selectors = [c | ((4 + c) << 4) | (0xC << 8) | (0xC << 12) for c in range(4)]
+    return _prmt4(lane_word, hi, selectors, t)
 
 
 def _rotr_host(x: int, n: int) -> int:
