@@ -84,8 +84,10 @@ COMMAND = (
     "m16n128k128s3w1x4hg m32n128k64s4w1x4hg m32n128k64s4w1x4h m32n128k128s3w1x4h "
     "m32n256k64s4w1x8h m64n128k64s4w1x4hg m64n128k64s3w1x4h m64n256k64s6w1x8hgc "
     "m64n256k64s4w1x8hg --buckets 16 32 64 --k 4 --shapes 28672x8192 --jobs 16 --json "
-    "/root/out/tune_h2.json; python -m perf.bench_gemm --write-table-from /tmp/tune_h.json "
-    "/tmp/tune_h2.json"
+    "/root/out/tune_h2.json; python -m perf.bench_gemm --tune --candidates table --with "
+    "m32n128k64s4w1x4hg m32n128k64s4w1x4rg --buckets 32 --k 4 --shapes 4096x14336 14336x4096 "
+    "2048x10240 10240x2048 --jobs 16 --json /root/out/tune_m32.json; python -m "
+    "perf.bench_gemm --write-table-from /tmp/tune_h.json /tmp/tune_h2.json /tmp/tune_m32.json"
 )
 
 RULES = {
@@ -109,7 +111,7 @@ RULES = {
     ],
     4: [
         (16, "m16n128k128s3w1x4r", 2, 16),
-        (32, "m32n128k64s4w1x4hg", 3, 16),
+        (32, "m32n128k64s4w1x4rg", 2, 16),
         (64, "m64n256k64s6w1x8rgc", 1, 16),
         (128, "m128n128k64s4w1x8rg", 1, 16),
         (256, "m256n128k64s5w1x8lg", 1, 16),
