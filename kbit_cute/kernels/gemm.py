@@ -22,9 +22,10 @@ runs, one per CTA; a run is the end of one tile's K, whole tiles, and the start 
   and one HFMA2 applies the block's absmax, made from its E4M4 byte by one IMAD
   (``absmax_x2``). The table is compact (random lookups conflict: ~2 wavefronts per LDS
   at k = 4, measured), or one copy per lane (conflict-free): ``GemmConfig.table`` "lane"
-  (32x the memory, one LEA more per lookup) or "row" (64x, k <= 4, the
-  PRMT makes the lane's address: ``pair_row_offsets``); the dispatch table picks by
-  measurement.
+  (32x the memory, one LEA more per lookup), "row" (64x, k <= 4, the
+  PRMT makes the lane's address: ``pair_row_offsets``) or "half" (k = 4: the lane table's
+  32x, addressed by the PRMT for one LOP3 per 8 weights: ``pair_half_offsets``); the
+  dispatch table picks by measurement.
 * Software pipelining: the next 32-weight block's B registers are dequantized while the
   current block's MMAs run (its plane words and absmax read from shared memory one block
   ahead), A fragments are loaded one k16 step ahead, and the next stage is waited for on
