@@ -64,7 +64,8 @@ TABLE_PATH = Path(__file__).resolve().parent.parent / "kbit_cute" / "kernels" / 
 # Tuning: (bucket's m_max, representative M, candidate configs). The last bucket covers all
 # larger M; its representatives are 1024 and 4096.
 # Names ending in "l" use the lane-replicated pair table (GemmConfig.table "lane"), in "r"
-# the row table ("row", k <= 4; the others skip those names). Warp
+# the row table ("row", k <= 4; the others skip those names), in "h" the half-row table
+# ("half", k = 4 only: the lane table's memory at the row table's cost, session 33). Warp
 # tiles stop at 64 x 32: 64 x 64 ones (m64n256 w1x4, m128n128 w2x2) reach 255 registers
 # and spill at some k or on sm_80, which the compile gate refuses.
 _LARGE_TILES = [
@@ -100,12 +101,14 @@ BUCKETS = [
                 "m16n128k64s4w1x4l", "m16n128k128s4w1x4l", "m16n256k64s4w1x8l",
                 "m16n128k64s3w1x4l", "m16n128k128s3w1x4l", "m16n256k128s3w1x8l",
                 "m16n128k64s3w1x4r", "m16n128k128s3w1x4r", "m16n256k64s3w1x8r",
-                "m16n256k128s3w1x8r", "m16n128k64s4w1x4r"]),
+                "m16n256k128s3w1x8r", "m16n128k64s4w1x4r", "m16n128k128s3w1x4h",
+                "m16n128k64s4w1x4h"]),
     (32, [32], ["m32n128k64s4w1x4", "m32n128k64s4w1x2", "m32n256k64s4w1x4",
                 "m32n128k64s4w1x4l", "m32n128k64s4w1x2l", "m32n256k64s4w1x8l",
                 "m32n128k64s3w1x4l", "m32n128k128s3w1x4l", "m32n128k64s3w1x4r",
                 "m32n128k128s3w1x4r", "m32n256k64s4w1x8r", "m32n128k64s4w1x4r",
-                "m32n128k64s4w1x4rg", "m32n128k64s4w1x4g"]),
+                "m32n128k64s4w1x4rg", "m32n128k64s4w1x4g", "m32n128k64s4w1x4hg",
+                "m32n128k64s4w1x4h"]),
     (64, [64], ["m64n128k64s3w1x4", "m64n128k64s3w1x4l", "m64n256k64s3w1x8l",
                 "m32n128k64s4w1x4l", "m64n128k64s3w1x4r", "m64n256k64s3w1x8r",
                 "m32n128k64s4w1x4r", *_WGMMA_64]),
