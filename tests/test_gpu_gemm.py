@@ -124,9 +124,11 @@ def test_lane_table_gives_the_same_bits(k, dtype, weights):
         assert torch.equal(half, compact)
 
 
-# (the last: K slices of 128, four blocks per slice, as the k = 5 rows of M <= 128)
+# (the fourth: K slices of 128, four blocks per slice, as the k = 5 rows of M <= 128; the
+# last: the half-row pair table, k = 4 only)
 WGMMA_CONFIGS = [
     "m64n256k64s4w1x8g", "m256n128k64s4w1x8g", "m128n256k64s4w1x8rg", "m64n128k128s4w1x4g",
+    "m32n128k64s4w1x4hg",
 ]  # fmt: skip
 
 
@@ -135,28 +137,14 @@ WGMMA_CONFIGS = [
 def test_wgmma_every_k_and_dtype(k, dtype, weights):
     """The wgmma kernel (register weights, shared activations) for every k and dtype, M
     tiles partly filled, with split-K and stream-K runs; and bit-identical to itself."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("wgmma needs sm_90a")
-    K, N = 1056, 1000
-    qw = weights(K, N, k)
-    for M in (5, 100, 256):
-        A = torch.randn(M, K, device="cuda", dtype=dtype)
-        ref = reference(A, qw)
-        for name in WGMMA_CONFIGS:
-            if name.endswith("rg") and k > 4:
-                continue
-            for splits, workers in ((1, None), (3, None), (None, 23)):
-                got = run(A, qw, config=name, splits=splits, workers=workers, deterministic=True)
-                assert rel_err(got, ref) < TOL[dtype], (M, name, splits, workers)
-                again = run(A, qw, config=name, splits=splits, workers=workers, deterministic=True)
-                assert torch.equal(got, again), (M, name, splits, workers)
+    check_sm90_configs(k, dtype, weights, WGMMA_CONFIGS, (5, 100, 256))
 
 
 def check_sm90_configs(k, dtype, weights, configs, Ms):
     """Each config on two shapes (1056x1000: K past the last full slice, odd N; 4096x520:
     long K) at each M, split-K 1 / 3 and stream-K 23 / 4 workers, against the reference and
-    bit-identical to itself. Configs the k cannot take (k = 5: no row table; a lane table
-    too large next to a 256-row ring) are left out."""
+    bit-identical to itself. Configs the k cannot take (k = 5: no row table; the half-row
+    table: k = 4 only; a lane table too large next to a 256-row ring) are left out."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma needs sm_90a")
     for K, N in ((1056, 1000), (4096, 520)):
