@@ -465,8 +465,9 @@ def pair_half_entry(p: int) -> int:
 def pair_half_offsets(planes: list, t, lane4x4) -> list:
     """k = 4 plane words of a block -> this thread's 4 byte addresses 128 q + 4 lane in the
     lane-replicated table (``pair_half_entry``); ``lane4x4`` = 4 x lane in every byte.
-    2k + 5 instructions: the row table's 2k + 4 plus one LOP3 for the lane word, where the
-    lane table pays an LEA per pair. Python ints when ``t`` is an int."""
+    13 instructions (4 SHF, 5 LOP3, 4 PRMT): two LOP3 more than ``pair_row_offsets`` at
+    k = 4 (the lane word, and clearing bit 7), three fewer than ``pair_offsets`` plus the
+    lane table's LEA per pair. Python ints when ``t`` is an int."""
     rot = [_pair_bits(planes[b], t, to_bit, None) for b, to_bit in enumerate((6, 0, 2, 4))]
     lane_word = bit_select(HALF_LANE_MASK, rot[0], lane4x4)  # bit 7: plane 0's second bit
     # Bits 6..0 from plane 0 (first bit), 3, 2, 1; bit 7 stays zero, so that the PRMT's

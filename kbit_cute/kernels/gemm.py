@@ -24,8 +24,8 @@ runs, one per CTA; a run is the end of one tile's K, whole tiles, and the start 
   at k = 4, measured), or one copy per lane (conflict-free): ``GemmConfig.table`` "lane"
   (32x the memory, one LEA more per lookup), "row" (64x, k <= 4, the
   PRMT makes the lane's address: ``pair_row_offsets``) or "half" (k = 4: the lane table's
-  32x, addressed by the PRMT for one LOP3 per 8 weights: ``pair_half_offsets``); the
-  dispatch table picks by measurement.
+  32x, addressed by the PRMT for two LOP3 per 8 weights more than "row":
+  ``pair_half_offsets``); the dispatch table picks by measurement.
 * Software pipelining: the next 32-weight block's B registers are dequantized while the
   current block's MMAs run (its plane words and absmax read from shared memory one block
   ahead), A fragments are loaded one k16 step ahead, and the next stage is waited for on
@@ -112,7 +112,7 @@ class GemmConfig:
     #   unused).
     # "half" (suffix "h", k = 4): the lane table's memory and conflict-free copies, addressed
     #   by the PRMT as in a row table, with one index bit beside the lane's byte
-    #   (``pair_half_offsets``: one LOP3 per 8 weights more than "row", 3 fewer than "lane"),
+    #   (``pair_half_offsets``: two LOP3 per 8 weights more than "row", 3 fewer than "lane"),
     #   so that 3 CTAs of M tile 16 fit an SM where the row table's 64 KB allow 2.
     table: str = "compact"
     # Warpgroup MMA (name suffix "g", sm_90a: ``gemm_wgmma.WgmmaGemmKernel``): the
