@@ -62,9 +62,9 @@ def run_gemv(A, qw, out, workers="auto", stages=None, lookup=None, quads=None):
     fn = launcher(gemv_spec(qw.k, m, _NAMES[A.dtype], stages, lookup, quads, groups))
     need = 2 * n * m * COLS_PER_GROUP
     if _ws.numel() < need or _ws.device.type != "cuda":
-        _ws = torch.full((max(need, 1 << 22),), EMPTY_SLOT, dtype=torch.int32, device="cuda").view(
-            torch.float32
-        )
+        _ws = torch.full(
+            (max(need, 1 << 22),), EMPTY_SLOT, dtype=torch.int32, device="cuda"
+        ).view(torch.float32)
         _counters = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
     fn(A, qw.packed, qw.absmax, qw.codebook, qw.scale, out, out, _ws, _counters,
        M, qw.N, qw.K, n, ctas, *GemvKernel.cta_args(groups, qw.N, n, ctas), 0)  # fmt: skip
