@@ -59,6 +59,7 @@ def test_pair_half_offsets_address_each_lanes_copy(gen):
     packed = fmt.pack_bitplanes(idx, k).view(64, k)
     entry_pair = {dh.pair_half_entry(p): p for p in range(256)}
     assert sorted(entry_pair) == list(range(256))
+    assert all(dh.half_entry_pair(q) == p for q, p in entry_pair.items())
     for blk in range(64):
         planes = [int(w) & 0xFFFFFFFF for w in packed[blk].tolist()]
         for lane in (0, 6, 31):

@@ -462,6 +462,12 @@ def pair_half_entry(p: int) -> int:
     return (p >> 1) | ((p & 1) << 7)
 
 
+def half_entry_pair(q):
+    """Inverse of ``pair_half_entry``: the pair index entry q holds (q rotated left by one).
+    Python ints or traced Int32 (the table fill)."""
+    return ((q << 1) | (q >> 7)) & 0xFF
+
+
 def pair_half_offsets(planes: list, t, lane4x4) -> list:
     """k = 4 plane words of a block -> this thread's 4 byte addresses 128 q + 4 lane in the
     lane-replicated table (``pair_half_entry``); ``lane4x4`` = 4 x lane in every byte.

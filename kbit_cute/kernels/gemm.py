@@ -55,6 +55,7 @@ from .device_helpers import (
     absmax_x2,
     cta_sync,
     g2s_copy_atom,
+    half_entry_pair,
     mul_x2,
     pair_half_offsets,
     pair_offsets,
@@ -722,7 +723,7 @@ class GemmKernel:
         for i in cutlass.range_constexpr(self.table_passes()):
             (p, off), active = self.table_plan(tidx, i)
             if cutlass.const_expr(self.cfg.half_table):
-                p = ((p << 1) | (p >> 7)) & 0xFF  # entry q holds pair q rotated left by one
+                p = half_entry_pair(p)  # the pair this entry holds
             if active:
                 i0 = Int32(0)
                 i1 = Int32(0)

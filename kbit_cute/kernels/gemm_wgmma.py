@@ -119,6 +119,14 @@ class WgmmaGemmKernel(GemmKernel):
         warpgroup.commit_group()
         warpgroup.wait_group(1)
 
+    def weight_registers(self, sW, sS, sTable_u8, tCrA32, tidx):
+        """``regs`` of ``block_registers`` for MMA thread ``tidx``: the ring views, registers
+        for a repack tile's plane words and absmax pairs, the weight fragments, the thread's
+        first column and quad position."""
+        rP = cute.make_rmem_tensor((2 * self.k, self.nj), Int32)
+        rS = cute.make_rmem_tensor((self.nj,), Int32)
+        return sW, sS, sTable_u8, rP, rS, tCrA32, self.rep0_column(tidx), tidx % 4
+
     def block_registers(self, regs, stage, blk: int):
         """Weight registers of block ``blk`` of the slice in ring stage ``stage``, its repack
         tile's plane words loaded first where the block starts one. ``regs`` = (sW, sS,
@@ -133,7 +141,7 @@ class WgmmaGemmKernel(GemmKernel):
         self, base_u8, pA, pPacked, pAbsmax, pScale, pBias, pOut, pWorkspace, pCounters,
         M, N, K, has_bias, atomic, m_cta, n_cta, tile, kt_begin, kt_end, handover,
     ):  # fmt: skip
-        cfg, k = self.cfg, self.k
+        cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         n_iter = kt_end - kt_begin
         sA, sW, sS, sTable_u8, sFlag = self.smem_views(base_u8)  # sA: the cp.async side
@@ -142,8 +150,6 @@ class WgmmaGemmKernel(GemmKernel):
         tCrC.fill(0.0)
 
         ring = self.ring_sources(pA, pPacked, pAbsmax, sA, sW, sS, M, N, K, m_cta, n_cta)
-        t4 = tidx % 4
-        col0 = self.rep0_column(tidx)
 
         # ---- prologue: stages - 2 slices in flight (a stage is refilled two slices after
         # it was read, when its wgmmas are known complete)
@@ -153,11 +159,9 @@ class WgmmaGemmKernel(GemmKernel):
         cute.arch.cp_async_wait_group(ahead - 1)
         cute.arch.sync_threads()
 
-        rP = cute.make_rmem_tensor((2 * k, self.nj), Int32)
-        rS = cute.make_rmem_tensor((self.nj,), Int32)
         read_stage = Int32(0)
         write_stage = Int32(ahead)
-        regs = (sW, sS, sTable_u8, rP, rS, tCrA32, col0, t4)
+        regs = self.weight_registers(sW, sS, sTable_u8, tCrA32, tidx)
         self.block_registers(regs, read_stage, 0)
 
         nb = self.ks // 2  # 32-weight blocks per k-slice: two k16 steps each

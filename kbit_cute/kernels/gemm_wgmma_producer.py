@@ -138,9 +138,7 @@ class ProducerGemmKernel(WgmmaGemmKernel):
         tidx, _, _ = cute.arch.thread_idx()
         _, sW, sS, sTable_u8, sFlag = self.smem_views(base_u8)
         tiled_mma, thr_mma, tCrA, tCrA32, tCrB, tCrC = self.mma_fragments(base_u8, tidx)
-        rP = cute.make_rmem_tensor((2 * self.k, self.nj), Int32)
-        rS = cute.make_rmem_tensor((self.nj,), Int32)
-        regs = (sW, sS, sTable_u8, rP, rS, tCrA32, self.rep0_column(tidx), tidx % 4)
+        regs = self.weight_registers(sW, sS, sTable_u8, tCrA32, tidx)
         nb = self.ks // 2  # 32-weight blocks per K slice: two k16 steps each
         used = Int32(0)  # slices consumed so far, over the run's tiles
         for t in cutlass.range(run[0], run[1], unroll=1):
