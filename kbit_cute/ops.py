@@ -487,6 +487,34 @@ def grouped_splits(kernel, N: int, k_tiles: int, sm_count: int) -> int:
 
 # ``kernel_grid`` takes the fewest (full) CTAs where they fill at least this share of the slots.
 FULL_CTAS_FILL = 0.95
+# ``even_workers``: an even grid where it cuts the busiest SM's K tiles to this share or less.
+EVEN_GRID_GAIN = 0.88
+
+
+def even_workers(kernel, workers: int, units: int, sm_count: int, resident: int) -> int:
+    """``workers``, or as many runs of equal length on every SM (``q`` x SMs, runs across
+    strips: the ``crossing`` variant, whose ring runs on at a strip's end), where the split
+    rule leaves some SMs a quad more than others: M = 1, k != 4.
+
+    The GEMV of k = 2, 3, 5 at M = 1 is bound by each SM's issue slots or shared-memory pipe,
+    so an SM with a quad more finishes that much later: 4096x14336 (448 runs of 16 K tiles:
+    52 SMs hold 4, 80 hold 3) ran its 3-quad SMs' K loops out at 8.5-9.3 us, the 4-quad
+    ones' at 10.9-11.2 (k = 3, per-warp ``%globaltimer`` stamps, session 34). Each crossing
+    adds a partial slot to gather, so the even grid pays only where it cuts the busiest SM's
+    K tiles to EVEN_GRID_GAIN of the rule's or less (session 34, ``python -m
+    perf.gemv_kernel_check --no-check --workers auto 528``, M = 1, us): 4096x14336 k = 2 / 3
+    / 5 10.95 / 12.78 / 17.20 -> 10.40 / 12.02 / 16.54, 18944x3584 12.69 / 15.02 / 20.98 ->
+    12.18 / 14.03 / 19.38; k = 4, bound by the DRAM stream, 4096x14336 13.27 -> 13.46;
+    3584x18944 (0.93) k = 3 14.03 -> 15.02; 4096x4096, 11008x4096, 2048x5120 (1.0) 4-19%
+    slower."""
+    if kernel.m != 1 or kernel.k == 4 or workers <= sm_count:
+        return workers
+    q = -(-workers // sm_count)  # the rule's most quads on one SM
+    if q * sm_count > resident:
+        return workers
+    rule = q * -(-units // workers)
+    even = q * -(-units // (q * sm_count))
+    return q * sm_count if even <= EVEN_GRID_GAIN * rule else workers
 
 
 def kernel_grid(kernel, N: int, K: int, sm_count: int, workers: int | None = None):
@@ -505,6 +533,7 @@ def kernel_grid(kernel, N: int, K: int, sm_count: int, workers: int | None = Non
         splits = balanced_splits(n_tiles, -(-K // 64), splits, sm_count, resident, kernel.m)
         splits = max(splits, grouped_splits(kernel, N, -(-K // 64), sm_count))
         workers = n_tiles * max(1, min(splits, resident // n_tiles))
+        workers = even_workers(kernel, workers, units, sm_count, resident)
     workers = min(workers, units)
     # Quads of a CTA take workers ctas apart: one CTA per slot, or as few as hold them all.
     fewest = -(-workers // kernel.quads)
@@ -580,7 +609,7 @@ class _GemvPlan:
     stream split-K scratch big enough for every M."""
 
     __slots__ = ("k", "N", "K", "dtype", "variants", "words", "codes", "bias_shape", "strips")
-    __slots__ += ("grids", "groups")
+    __slots__ += ("grids", "groups", "crossing")
     __slots__ += ("ws_elems", "by_m", "scratch")
 
     def __init__(self, k: int, N: int, K: int, dtype: torch.dtype, sm_count: int):
@@ -598,6 +627,8 @@ class _GemvPlan:
         }
         # whether each rows bucket takes the variant with CTA groups
         self.groups = {m: gemv_cta_groups(m, N, self.grids[m], self.variants[m]) for m in buckets}
+        # whether its runs cross strips (``even_workers``): the variant whose ring runs on
+        self.crossing = {m: gemv_crossing(N, self.grids[m], self.groups[m]) for m in buckets}
         self.ws_elems = max(_ws_elems(w, m) for m, (w, _) in self.grids.items())
         self.by_m: list[tuple[object, int, int, int, int] | None] = [None] * (GEMV_MAX_M + 1)
         self.scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -608,7 +639,9 @@ class _GemvPlan:
         got = self.by_m[M]
         if got is None:
             m = _M_BUCKET[M]
-            fn = _gemv_launcher(self.k, m, self.dtype, *self.variants[m], self.groups[m])
+            fn = _gemv_launcher(
+                self.k, m, self.dtype, *self.variants[m], self.groups[m], self.crossing[m]
+            )
             workers, ctas = self.grids[m]
             cta_args = _cta_args(self.groups[m], self.N, workers, ctas)
             got = self.by_m[M] = (fn, workers, ctas, *cta_args)
@@ -637,6 +670,12 @@ def gemv_cta_groups(m_bucket: int, N: int, grid: tuple[int, int], variant: tuple
     )
 
 
+def gemv_crossing(N: int, grid: tuple[int, int], cta_groups: bool) -> bool:
+    """Whether a GEMV grid's runs cross strips (workers not a multiple of the column tiles,
+    no CTA groups): then it takes the variant whose ring runs on across them."""
+    return not cta_groups and grid[0] % -(-N // 128) != 0
+
+
 def _ws_elems(workers: int, m_bucket: int) -> int:
     """fp32 workspace of the GEMV: two partial strips (128 columns x m rows) per worker."""
     return 2 * workers * m_bucket * 128
@@ -650,14 +689,18 @@ _gemv_launchers: dict[tuple, object] = {}
 
 
 def _gemv_launcher(
-    k: int, m_bucket: int, dtype: torch.dtype, lookup=None, stages=None, cta_groups=False
-):
-    key = (k, m_bucket, dtype, lookup, stages, cta_groups)
+    k: int, m_bucket: int, dtype: torch.dtype, lookup=None, stages=None, cta_groups=False,
+    crossing=False,
+):  # fmt: skip
+    key = (k, m_bucket, dtype, lookup, stages, cta_groups, crossing)
     fn = _gemv_launchers.get(key)
     if fn is None:
         from .kernels.gemv import gemv_spec
 
-        spec = gemv_spec(k, m_bucket, _GEMV_DTYPES[dtype], stages, lookup, cta_groups=cta_groups)
+        spec = gemv_spec(
+            k, m_bucket, _GEMV_DTYPES[dtype], stages, lookup, cta_groups=cta_groups,
+            crossing=crossing,
+        )  # fmt: skip
         fn = stream_launcher(spec)
         _gemv_launchers[key] = fn
     return fn

@@ -20,7 +20,7 @@ from kbit_cute.format import dequantize as dequantize_reference
 from kbit_cute.format import quantize
 from kbit_cute.kernels.device_helpers import EMPTY_SLOT
 from kbit_cute.kernels.gemv import _DTYPES, COLS_PER_GROUP, GemvKernel, gemv_spec
-from kbit_cute.ops import _M_BUCKET, gemv_cta_groups, kernel_grid
+from kbit_cute.ops import _M_BUCKET, gemv_crossing, gemv_cta_groups, kernel_grid
 from perf.common import copies_for, graph_time_us, read_bandwidth_gbs
 
 _NAMES = {torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -48,10 +48,11 @@ def grid_for(qw, M, dtype, workers, stages=None, lookup=None, quads=None) -> tup
     return kernel_grid(kern, qw.N, qw.K, sm_count, n)
 
 
-def run_gemv(A, qw, out, workers="auto", stages=None, lookup=None, quads=None):
+def run_gemv(A, qw, out, workers="auto", stages=None, lookup=None, quads=None, crossing=None):
     """One GEMV launch with an explicit stream-K grid (``grid_for``) and kernel variant (ring
-    depth, lookup, quads per CTA) through the library's launcher; the workspace is this
-    script's own."""
+    depth, lookup, quads per CTA; ``crossing``: the variant for runs across strips, None:
+    where the grid's runs cross them, as the library) through the library's launcher; the
+    workspace is this script's own."""
     global _ws, _counters
     M = A.shape[0]
     m = _M_BUCKET[M]
@@ -59,7 +60,9 @@ def run_gemv(A, qw, out, workers="auto", stages=None, lookup=None, quads=None):
     groups = m >= GemvKernel.CTA_GROUPS_FROM_M and CTA_GROUPS == "on"
     if CTA_GROUPS == "auto":
         groups = gemv_cta_groups(m, qw.N, (n, ctas), (lookup, stages))
-    fn = launcher(gemv_spec(qw.k, m, _NAMES[A.dtype], stages, lookup, quads, groups))
+    if crossing is None:
+        crossing = gemv_crossing(qw.N, (n, ctas), groups)
+    fn = launcher(gemv_spec(qw.k, m, _NAMES[A.dtype], stages, lookup, quads, groups, crossing))
     need = 2 * n * m * COLS_PER_GROUP
     if _ws.numel() < need or _ws.device.type != "cuda":
         _ws = torch.full(

@@ -231,8 +231,10 @@ def fake_gpu(monkeypatch):
             return fake(torch.full((n * dtype.itemsize,), fill_byte, dtype=torch.uint8).view(dtype))
         return fake(torch.full((n,), -7, dtype=dtype))
 
-    def launcher(k, m_bucket, dtype, lookup=None, stages=None, cta_groups=False):
-        spec = gemv_spec(k, m_bucket, ops._GEMV_DTYPES[dtype], stages, lookup, None, cta_groups)
+    def launcher(k, m_bucket, dtype, lookup=None, stages=None, cta_groups=False, crossing=False):
+        spec = gemv_spec(
+            k, m_bucket, ops._GEMV_DTYPES[dtype], stages, lookup, None, cta_groups, crossing
+        )  # fmt: skip
         params = kc.kernel_params(spec)
         return kc.make_launch("stub", params, lambda *a: calls.append(a), stream_arg=True)
 
@@ -308,7 +310,7 @@ def test_k5_plans_take_the_variant_of_their_weight(N, K, M, variant, quads, fake
     from kbit_cute.kernels.gemv import SMALL_WEIGHT, GemvKernel
 
     calls, _ = fake_gpu
-    loaded = []  # (k, m, dtype, lookup, stages, groups) of every launch function loaded
+    loaded = []  # (k, m, dtype, lookup, stages, groups, crossing) of every launch function
     fake_launcher = ops._gemv_launcher
 
     def recording_launcher(*key):
@@ -320,7 +322,7 @@ def test_k5_plans_take_the_variant_of_their_weight(N, K, M, variant, quads, fake
     w = fake_weight(gen, N, K, 5, torch.float16)
     kbit_cute.gemm(fake(torch.randn(M, K, generator=gen).half()), w)
     m = {1: 1, 2: 2, 4: 4, 5: 8, 8: 8}[M]
-    assert loaded == [(5, m, torch.float16, *variant)]
+    assert loaded == [(5, m, torch.float16, *variant, False)]  # (runs within strips)
     kernel = GemvKernel(5, m, cutlass.Float16, variant[1], variant[0], cta_groups=variant[2])
     assert kernel.quads == quads
     (args,) = calls  # launched with the grid of that variant
@@ -564,6 +566,56 @@ def test_gemv_grid_balances_splits(K, N, k, m_bucket, splits):
     left a wave of few or uneven runs take more splits; the others keep the rule's."""
     workers, _ = ops.gemv_grid(k, m_bucket, torch.float16, N, K, 132)
     assert workers == -(-N // 128) * splits
+
+
+@pytest.mark.parametrize(
+    "K, N, k, workers",
+    [
+        (4096, 14336, 3, 528),  # 448 runs of 16 K tiles (52 SMs hold 4, 80 hold 3): 4 x 132
+        (4096, 14336, 2, 528),
+        (18944, 3584, 5, 528),  # 448 runs of 18-19 tiles
+        (8192, 28672, 5, 896),  # (k = 5: the 2-stage variant, 7 quads a CTA: 924 would not even it)
+        (4096, 14336, 4, 448),  # k = 4, bound by the DRAM stream: the rule's
+        (14336, 4096, 3, 512),  # 116 SMs hold 4 runs, 16 hold 3: even enough
+        (3584, 18944, 3, 592),  # (the even grid's busiest SM: 0.93 of the rule's)
+        (2048, 5120, 3, 320),
+        (8192, 28672, 3, 896),  # (924 runs would stream as many tiles on the busiest SM)
+        (256, 128, 3, 1),  # (a grid of no more runs than SMs)
+    ],
+)
+def test_even_workers_at_m1(K, N, k, workers):
+    """``ops.even_workers`` on a 132-SM H100 (M = 1, k != 4): where the rule's grid leaves
+    some SMs a quad more and an even grid (q x SMs runs, across strips) cuts the busiest
+    SM's tiles to ``EVEN_GRID_GAIN`` of its, the even grid; such a grid takes the
+    ``crossing`` variant. M = 2 keeps the rule's."""
+    got, ctas = ops.gemv_grid(k, 1, torch.float16, N, K, 132)
+    assert got == workers
+    assert ops.gemv_crossing(N, (got, ctas), False) == (workers % -(-N // 128) != 0)
+    rule, _ = ops.gemv_grid(k, 2, torch.float16, N, K, 132)
+    assert rule % -(-N // 128) == 0
+
+
+def test_plan_takes_the_crossing_variant_for_an_even_grid(fake_gpu, gen):
+    """4096x14336 k = 3 at M = 1 runs 528 runs across strips on the ``crossing`` variant; at
+    M = 4 (CTA groups, runs inside strips) the variant without it."""
+    calls, _ = fake_gpu
+    loaded = []
+    fake_launcher = ops._gemv_launcher
+
+    def recording_launcher(*key):
+        loaded.append(key)
+        return fake_launcher(*key)
+
+    ops._gemv_launcher = recording_launcher  # (the fixture's monkeypatch restores it)
+    K, N = 4096, 14336
+    w = fake_weight(gen, N, K, 3, torch.float16)
+    for M in (1, 4):
+        kbit_cute.gemm(fake(torch.randn(M, K, generator=gen).half()), w)
+    assert loaded == [
+        (3, 1, torch.float16, None, None, False, True),
+        (3, 4, torch.float16, None, None, True, False),
+    ]
+    assert calls[0][12] == 528  # the even grid's workers
 
 
 def test_balanced_splits_stay_in_bounds():

@@ -254,13 +254,22 @@ class GemvKernel:
         quads: int | None = None,
         extra_smem: int = 0,
         cta_groups: bool = False,
+        crossing: bool = False,
     ):
         """``extra_smem``: shared-memory bytes a subclass's kernel adds per CTA;
-        ``cta_groups``: the variant with CTA groups (``finish_cta_group``)."""
+        ``cta_groups``: the variant with CTA groups (``finish_cta_group``); ``crossing``: the
+        variant for runs that cross strips, whose ring runs on across a strip's end
+        (``mainloop``'s ``run``; ``ops.even_workers``)."""
         self.k, self.m, self.dtype = k, m, dtype
         if cta_groups and not (self.POLLED_HANDOVER and m >= self.CTA_GROUPS_FROM_M):
             raise ValueError(f"GEMV m={m}: no CTA groups below m={self.CTA_GROUPS_FROM_M}")
+        if cta_groups and crossing:
+            raise ValueError("GEMV: CTA groups hold runs of one strip each, none crosses")
         self.cta_groups = cta_groups
+        # Not every launch: the run cursor cost short calls and the M = 4 launches with CTA
+        # groups 2-12% (2048x512 M = 1 k = 2 2.65 -> 2.98 us, 4096x4096 M = 4 k = 4 5.92 ->
+        # 6.32; session 34), though their K loops kept their instruction counts.
+        self.crossing = crossing
         # K tiles in flight per warp, in its shared-memory ring (see STAGES).
         self.stages = stages or STAGES[k]
         # How indices become values. Issue slots and the integer ALU pipe (half the issue
@@ -490,9 +499,16 @@ class GemvKernel:
         # 0.3-0.7 us less per call with the prefetch above).
         run = (u_begin - nt_first * k_tiles, cutlass.min(u_end - nt_first * k_tiles, k_tiles))
         col0_first = nt_first * TILE_N + wn * WARP_COLS + g
+        cursor = src = None
+        if cutlass.const_expr(self.crossing):  # the ring runs on across the run's strips
+            cursor = self.run_cursor(u_end - u_begin, run[0])
+            src = self.run_sources()
 
         def prime(ring):
-            self.prime_first_strip(mA, mW, mS, ring, rows, col0_first, run, busy)
+            if cutlass.const_expr(self.crossing):
+                self.start_run(mA, mW, mS, ring, rows, (wn, nt_first), src, cursor, busy)
+            else:
+                self.prime_first_strip(mA, mW, mS, ring, rows, col0_first, run, busy)
 
         smem = SmemAllocator()
         # (the pair table syncs the CTA)
@@ -501,6 +517,8 @@ class GemvKernel:
         if busy:
             scale = cute.make_tensor(pScale, cute.make_layout(1))[0]
             mBias = cute.make_tensor(pBias, cute.make_layout(mOut.shape[1]))
+            if cutlass.const_expr(self.crossing and not self.table):
+                self.start_run(mA, mW, mS, ctx[5], rows, (wn, nt_first), src, cursor, busy)
             for nt in cutlass.range(nt_first, (u_end - 1) // k_tiles + 1, unroll=1):
                 kt_begin = cutlass.max(u_begin - nt * k_tiles, 0)
                 kt_end = cutlass.min(u_end - nt * k_tiles, k_tiles)
@@ -509,8 +527,12 @@ class GemvKernel:
                 col0 = nt * TILE_N + wn * WARP_COLS + g
                 # Activation rows 0..M-1 feed the mma's columns g; columns past M hold finite
                 # values that are never stored. The first strip's ring was primed above.
-                primed = Int32(nt == nt_first) if cutlass.const_expr(self.table) else None
-                self.mainloop(mA, mW, mS, col0, rows, t, kt_begin, kt_end, ctx, primed=primed)
+                if cutlass.const_expr(self.crossing):
+                    strips = (src, cursor, Int32(nt == (u_end - 1) // k_tiles))
+                    self.mainloop(mA, mW, mS, col0, rows, t, kt_begin, kt_end, ctx, run=strips)
+                else:
+                    primed = Int32(nt == nt_first) if cutlass.const_expr(self.table) else None
+                    self.mainloop(mA, mW, mS, col0, rows, t, kt_begin, kt_end, ctx, primed=primed)
                 epi = (scale, mBias, mOut, has_bias, nt)
                 plan = (units, workers, k_tiles)
                 if grouped:
@@ -544,6 +566,54 @@ class GemvKernel:
             src = self.copy_sources(mA, mW, mS, cols, rows, run[0])
             prologue = (src, len(cols), rows, run[0], run[1], warp_ring, self.activation_tiles(mA))
             self.issue_prologue(mA, mW, mS, *prologue)
+
+    @staticmethod
+    def run_cursor(tiles, kt):
+        """Where a worker's run stands (register tensor): [K tiles still to copy, K tile of
+        the next copy in its strip, ring stage to read next]."""
+        cursor = cute.make_rmem_tensor((3,), Int32)
+        cursor[0], cursor[1], cursor[2] = tiles, kt, Int32(0)
+        return cursor
+
+    @staticmethod
+    def run_sources():
+        """Register tensors for ``copy_sources`` of the next copy, carried across strips."""
+        return cute.make_rmem_tensor((1,), Int64), cute.make_rmem_tensor((2,), Uint32)
+
+    @cute.jit
+    def start_run(self, mA, mW, mS, ring, rows, warp_strip, src, cursor, busy):
+        """``issue_prologue`` of the worker's run (``cursor``: ``run_cursor``; ``warp_strip``:
+        the warp's column warp and first strip), if the warp has one (``busy``): the sources
+        of its first K tile into ``src``, then its first stages - 1 tiles, across a strip's
+        end if the run goes on past it."""
+        if busy:
+            self.start_copies(mA, mW, mS, ring, rows, warp_strip, src, cursor)
+
+    @cute.jit
+    def start_copies(self, mA, mW, mS, ring, rows, warp_strip, src, cursor):
+        wn, nt = warp_strip
+        w_src, off = self.copy_sources(mA, mW, mS, [(wn * WARP_COLS, nt)], rows, cursor[1])
+        src[0][0], src[1][0], src[1][1] = w_src[0], off[0], off[1]
+        warp_ring = ring.iterator + cute.assume(
+            cute.arch.warp_idx() * (self.stages * self.stage_words()), divby=CHUNK_WORDS
+        )
+        a_tiles = self.activation_tiles(mA)
+        for s in cutlass.range_constexpr(self.stages - 1):
+            if cursor[0] > 0:
+                dst = warp_ring + s * self.stage_words()
+                self.copy_from(mA, mS, src, 1, rows, cursor[1], dst, a_tiles)
+                self.advance_run(mW, mS, src, cursor)
+            cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def advance_run(self, mW, mS, src, cursor):
+        """``src`` and ``cursor`` past the copy of one K tile: one add per source, and at a
+        strip's end the jump to the next strip's first tile."""
+        self.advance_sources(src, mW, mS)
+        cursor[0], cursor[1] = cursor[0] - 1, cursor[1] + 1
+        if cursor[1] == mW.shape[1][1]:
+            cursor[1] = Int32(0)
+            self.advance_sources(src, mW, mS, to_next_strip=True)
 
     @cute.jit
     def prefetch_first_tiles(self, mW, mS, pCodebook, nt, u_begin, u_end, k_tiles):
@@ -671,40 +741,95 @@ class GemvKernel:
 
     @cute.jit
     def mainloop(self, mA, mW, mS, col0, rows, t, kt_begin, kt_end, ctx, second=None,
-                 primed=None):  # fmt: skip
+                 primed=None, run=None):  # fmt: skip
         """acc += K tiles kt_begin..kt_end of the thread's columns times the activations of
         ``rows`` = (first row, count): mma column g < count takes row first + g.
         The warp's 32 columns are col0 - g onwards, or with ``second`` two runs of 16: that
         many, then 16 from column ``second`` (the grouped gate/up kernel: gate, then up).
-        ``primed`` (Int32, nonzero): ``issue_prologue`` of this run was already called.
 
         Each warp streams its own 32 columns through its shared-memory ring: cp.async
         copies run stages - 1 K tiles ahead while the warp dequantizes the current one from
-        registers; only the warp itself waits (``sync_warp``), never the CTA."""
+        registers; only the warp itself waits (``sync_warp``), never the CTA.
+        ``primed`` (Int32, nonzero): ``issue_prologue`` of this run was already called.
+
+        ``run`` = (sources, cursor, last) (``crossing`` variants): this is one strip of a
+        stream-K run that ``start_run`` began; the copies follow the run's cursor, into the
+        next strip's first tiles before this strip's last ones are read, and the ring drains
+        only after the run's ``last`` strip. Without it the K tiles are a run of their own,
+        whose ring drains at its end (a run across strips refills it in the next: a DRAM
+        round trip per crossing)."""
         codebook, half_select, atom, frag_a, frag_b, ring, buf, acc = ctx
-        S, sw = self.stages, self.stage_words()
+        S = self.stages
         g = cute.arch.lane_idx() // 4
         warp_ring, cols = self.warp_ring(ring, col0, second)
-        # The copies' sources, one add per address and tile: at the loop, S - 1 tiles ahead.
-        src = self.copy_sources(mA, mW, mS, cols, rows, kt_begin)
-        a_tiles = self.activation_tiles(mA)
-        prologue = (mA, mW, mS, src, len(cols), rows, kt_begin, kt_end, warp_ring, a_tiles)
-        if cutlass.const_expr(primed is None):
-            self.issue_prologue(*prologue)
-        else:
-            if primed == 0:
+        if cutlass.const_expr(run is None):
+            # The copies' sources, one add per address and tile: at the loop, S - 1 ahead.
+            src = self.copy_sources(mA, mW, mS, cols, rows, kt_begin)
+            a_tiles = self.activation_tiles(mA)
+            steps = (warp_ring, g, t, rows, ctx, mA, mW, mS, len(cols), a_tiles)
+            prologue = (mA, mW, mS, src, len(cols), rows, kt_begin, kt_end, warp_ring, a_tiles)
+            if cutlass.const_expr(primed is None):
                 self.issue_prologue(*prologue)
             else:
-                for _ in cutlass.range_constexpr(S - 1):
-                    self.advance_sources(src, mW, mS)
-        read, write = Int32(0), Int32(S - 1)
-        for kt in cutlass.range(kt_begin, kt_end, unroll=1):
+                if primed == 0:
+                    self.issue_prologue(*prologue)
+                else:
+                    for _ in cutlass.range_constexpr(S - 1):
+                        self.advance_sources(src, mW, mS)
+            self.k_steps(steps, src, (kt_begin, kt_end), None, Int32(0))
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_warp()  # a next pass may refill the ring
+        else:
+            # Segments of steps whose copies stay in one strip: the sources jump to the next
+            # strip between them, outside the steps (a check per copy cost 6-17 instructions
+            # per step, predicated).
+            src, cursor, last = run
+            a_tiles = self.activation_tiles(mA)
+            steps = (warp_ring, g, t, rows, ctx, mA, mW, mS, len(cols), a_tiles)
+            k_tiles = mW.shape[1][1]
+            kt, left, copy_kt, read = kt_begin, cursor[0], cursor[1], cursor[2]
+            while kt < kt_end:
+                n = cutlass.min(kt_end - kt, k_tiles - copy_kt)
+                made = cutlass.min(n, left)
+                read = self.k_steps(steps, src, (kt, kt + n), (kt + made, copy_kt - kt), read)
+                left, copy_kt, kt = left - made, copy_kt + made, kt + n
+                if copy_kt == k_tiles:
+                    copy_kt = Int32(0)
+                    self.advance_sources(src, mW, mS, to_next_strip=True)
+            cursor[0], cursor[1], cursor[2] = left, copy_kt, read
+            if last != 0:
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.sync_warp()
+
+    @cute.jit
+    def k_steps(self, steps, src, tiles, copies, read):
+        """The K loop's steps for tiles (first, end), the ring read from stage ``read`` on;
+        returns the stage to read next. The step of tile kt copies K tile kt + shift of
+        ``src``'s strip into the ring if kt < limit (``copies`` = (limit, shift); None: the
+        tile stages - 1 ahead if it lies before ``tiles``' end), and moves ``src`` on by one
+        tile."""
+        warp_ring, g, t, rows, ctx, mA, mW, mS, runs, a_tiles = steps
+        codebook, half_select, atom, frag_a, frag_b, ring, buf, acc = ctx
+        S, sw = self.stages, self.stage_words()
+        if cutlass.const_expr(copies is None):
+            write = Int32(S - 1)
+        else:
+            limit, shift = copies
+            write = read - 1
+            if read == 0:
+                write = Int32(S - 1)
+        for kt in cutlass.range(tiles[0], tiles[1], unroll=1):
             cute.arch.cp_async_wait_group(S - 2)
             cute.arch.sync_warp()  # every lane's copies of stage ``read`` have landed
             self.read_tile(warp_ring + cute.assume(read * sw, divby=CHUNK_WORDS), g, t, rows, buf)
-            if kt + S - 1 < kt_end:
-                dst = warp_ring + cute.assume(write * sw, divby=CHUNK_WORDS)
-                self.copy_from(mA, mS, src, len(cols), rows, kt + S - 1, dst, a_tiles)
+            if cutlass.const_expr(copies is None):
+                if kt + S - 1 < tiles[1]:
+                    dst = warp_ring + cute.assume(write * sw, divby=CHUNK_WORDS)
+                    self.copy_from(mA, mS, src, runs, rows, kt + S - 1, dst, a_tiles)
+            else:
+                if kt < limit:
+                    dst = warp_ring + cute.assume(write * sw, divby=CHUNK_WORDS)
+                    self.copy_from(mA, mS, src, runs, rows, kt + shift, dst, a_tiles)
             self.advance_sources(src, mW, mS)
             cute.arch.cp_async_commit_group()
             self.mma_tile(buf, codebook, half_select, atom, frag_a, frag_b, acc)
@@ -714,8 +839,7 @@ class GemvKernel:
             read = read + 1
             if read == S:
                 read = Int32(0)
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_warp()  # a next pass may refill the ring
+        return read
 
     def warp_ring(self, ring, col0, second=None):
         """(The warp's ring in ``ring``, [(column in tile, tile)] of its first column, or of
@@ -788,13 +912,22 @@ class GemvKernel:
         off[1] = Uint32(a_off * (self.dtype.width // 8))  # (chunks lane + 32 i: row + 4 i)
         return w_src, off
 
-    def advance_sources(self, src, mW, mS):
-        """``copy_sources`` of the next K tile: one add per offset, two for the address."""
+    def advance_sources(self, src, mW, mS, to_next_strip: bool = False):
+        """``copy_sources`` of the next K tile: one add per offset, two for the address; or
+        (``to_next_strip``, from one past a strip's last K tile) of the next strip's first
+        one."""
         w_step = Int64(cute.crd2idx(((0, 0), (0, 1), 0), mW.layout)) * 4
+        s_step = Uint32(cute.crd2idx(((0, 0), (0, 1)), mS.layout))
+        a_step = Uint32(TILE_K * self.dtype.width // 8)
+        if cutlass.const_expr(to_next_strip):
+            k_tiles = mW.shape[1][1]
+            w_step = Int64(cute.crd2idx(((0, 1), (0, 0), 0), mW.layout)) * 4 - w_step * k_tiles
+            s_step = Uint32(cute.crd2idx(((0, 1), (0, 0)), mS.layout)) - s_step * Uint32(k_tiles)
+            a_step = Uint32(0) - a_step * Uint32(k_tiles)
         w_src, off = src
         w_src[0] = w_src[0] + w_step
-        off[0] = off[0] + Uint32(cute.crd2idx(((0, 0), (0, 1)), mS.layout))
-        off[1] = off[1] + Uint32(TILE_K * self.dtype.width // 8)
+        off[0] = off[0] + s_step
+        off[1] = off[1] + a_step
 
     def activation_tiles(self, mA):
         """K tiles whose activation chunk of this lane lies inside K (the lane's chunk of a
@@ -1405,11 +1538,11 @@ M_BUCKETS = (1, 2, 4, 8)  # activation rows per variant: the mma has 8 columns
 
 def gemv_spec(
     k: int, m: int, dtype: str, stages: int | None = None, lookup: str | None = None,
-    quads: int | None = None, cta_groups: bool = False,
+    quads: int | None = None, cta_groups: bool = False, crossing: bool = False,
 ):  # fmt: skip
     """The compiled variant of ``GemvKernel`` for bits ``k``, rows bucket ``m``, dtype name
     (``stages``, ``lookup``, ``quads``: override the defaults, for tuning; ``cta_groups``:
-    the variant with CTA groups)."""
+    the variant with CTA groups; ``crossing``: for runs that cross strips)."""
     from ..compile import KernelSpec, fake_ptr, fake_stream
 
     def build():
@@ -1421,10 +1554,13 @@ def gemv_spec(
             Int32(1), Int32(1), Int32(32), Int32(1), Int32(1), Int32(1), Int32(0), Int32(0),
             fake_stream(),
         )  # fmt: skip
-        return GemvKernel(k, m, dt, stages, lookup, quads, cta_groups=cta_groups), args
+        kernel = GemvKernel(k, m, dt, stages, lookup, quads, cta_groups=cta_groups,
+                            crossing=crossing)  # fmt: skip
+        return kernel, args
 
     suffix = (f"_s{stages}" if stages else "") + (f"_{lookup}" if lookup else "")
     suffix += (f"_q{quads}" if quads else "") + ("_g" if cta_groups else "")
+    suffix += "_x" if crossing else ""
     return KernelSpec(f"gemv_k{k}_m{m}_{dtype}{suffix}", build, expect=("LDGSTS", "HMMA"))
 
 
@@ -1464,6 +1600,12 @@ def specs():
             if m >= GemvKernel.CTA_GROUPS_FROM_M
             for st in (None, *([MORE_QUADS_STAGES[k]] if k in MORE_QUADS_STAGES else []))
             if st is None or m in MORE_QUADS_M
+            for d in _DTYPES
+        ]
+        + [  # runs across strips: what ``ops.even_workers`` gives (M = 1, k != 4)
+            gemv_spec(k, 1, d, st, crossing=True)
+            for k in (2, 3, 5)
+            for st in (None, *([MORE_QUADS_STAGES[k]] if k in MORE_QUADS_STAGES else []))
             for d in _DTYPES
         ]
     )
