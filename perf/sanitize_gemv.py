@@ -1,5 +1,6 @@
 """One GEMV call per k (stream-K runs that end inside column tiles, so the split-K slots
-and the owners' polling are exercised; CTA groups), for
+and the owners' polling are exercised; CTA groups; runs across strips on the ``crossing``
+variants), for
 ``compute-sanitizer --tool memcheck|racecheck python -m perf.sanitize_gemv``."""
 
 from __future__ import annotations
@@ -38,6 +39,14 @@ def main() -> None:
             out = torch.empty(M, N, device="cuda", dtype=dtype)
             run_gemv(A, qw, out, "s64")
     gemv_kernel_check.CTA_GROUPS = "auto"
+    # The ``crossing`` variants (the ring runs on across a strip's end): runs of 3-4 K tiles
+    # over strips of 17 (37 workers), and strips of one K tile (every step a crossing).
+    for k in (2, 3, 4, 5):
+        for K, N, workers in ((1056, 1000, 37), (64, 1000, 5)):
+            qw = kbit_cute.quantize(torch.randn(N, K, device="cuda"), k)
+            A = torch.randn(1, K, device="cuda", dtype=torch.float16)
+            out = torch.empty(1, N, device="cuda", dtype=torch.float16)
+            run_gemv(A, qw, out, workers, crossing=True)
     # The library's own grid where ``ops.balanced_splits`` raises the split count (896x896,
     # M = 2: 2 -> 3 splits of 14 K tiles).
     K = N = 896
