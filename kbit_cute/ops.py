@@ -494,7 +494,8 @@ EVEN_GRID_GAIN = 0.88
 def even_workers(kernel, workers: int, units: int, sm_count: int, resident: int) -> int:
     """``workers``, or as many runs of equal length on every SM (``q`` x SMs, runs across
     strips: the ``crossing`` variant, whose ring runs on at a strip's end), where the split
-    rule leaves some SMs a quad more than others: M = 1, k != 4.
+    rule leaves some SMs a quad more than others: M = 1, k != 4, sm_90 (measured there; on
+    sm_80 the crossing variants of k = 2, 3 spill).
 
     The GEMV of k = 2, 3, 5 at M = 1 is bound by each SM's issue slots or shared-memory pipe,
     so an SM with a quad more finishes that much later: 4096x14336 (448 runs of 16 K tiles:
@@ -507,7 +508,9 @@ def even_workers(kernel, workers: int, units: int, sm_count: int, resident: int)
     12.18 / 14.03 / 19.38; k = 4, bound by the DRAM stream, 4096x14336 13.27 -> 13.46;
     3584x18944 (0.93) k = 3 14.03 -> 15.02; 4096x4096, 11008x4096, 2048x5120 (1.0) 4-19%
     slower."""
-    if kernel.m != 1 or kernel.k == 4 or workers <= sm_count:
+    from .kernels.device_helpers import target_arch_family
+
+    if kernel.m != 1 or kernel.k == 4 or workers <= sm_count or target_arch_family() != "sm_90":
         return workers
     q = -(-workers // sm_count)  # the rule's most quads on one SM
     if q * sm_count > resident:

@@ -11,6 +11,6 @@ def all_specs(arch: str | None = None):
 
     arch = arch or target_arch()
     return [
-        *dequantize.specs(), *gemv.specs(), *gemm.table_specs(arch), *grouped_gemv.specs(),
+        *dequantize.specs(), *gemv.specs(arch), *gemm.table_specs(arch), *grouped_gemv.specs(),
         *grouped_gemm.specs(),
     ]  # fmt: skip

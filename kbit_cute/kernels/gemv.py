@@ -1578,7 +1578,11 @@ def default_lookup(k: int) -> str:
     return (GEMV_LOOKUP_SM80 if target_arch_family() == "sm_80" else GEMV_LOOKUP)[k]
 
 
-def specs():
+def specs(arch: str | None = None):
+    """The GEMV variants the library ships on ``arch`` (default: the compile target)."""
+    from ..compile import target_arch
+
+    sm90 = (arch or target_arch()).startswith("sm_9")
     return (
         [gemv_spec(k, m, d) for k in (2, 3, 4, 5) for m in M_BUCKETS for d in _DTYPES]
         + [
@@ -1602,10 +1606,11 @@ def specs():
             if st is None or m in MORE_QUADS_M
             for d in _DTYPES
         ]
-        + [  # runs across strips: what ``ops.even_workers`` gives (M = 1, k != 4)
+        + [  # runs across strips: what ``ops.even_workers`` gives (M = 1, k != 4, sm_90)
             gemv_spec(k, 1, d, st, crossing=True)
             for k in (2, 3, 5)
             for st in (None, *([MORE_QUADS_STAGES[k]] if k in MORE_QUADS_STAGES else []))
             for d in _DTYPES
+            if sm90
         ]
     )
