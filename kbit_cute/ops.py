@@ -250,7 +250,8 @@ def gemv_max_splits(m_bucket: int) -> int:
 def gemv_splits(N: int, K: int, sm_count: int, m_bucket: int = 1) -> int:
     """Stream-K workers per column tile of the GEMV (a power of two, at most 16): each
     tile's K range in that many equal runs, so that no run crosses a column tile (a run
-    that does pays a pipeline drain and refill at the crossing: slower, measured).
+    that does pays a pipeline drain and refill at the crossing: slower, measured; the
+    ``crossing`` variants of ``even_workers``' grids do not).
 
     From an H100 sweep of splits 1..16 (``python -m perf.gemv_kernel_check``, 2026-11-22):
     shapes with many column tiles want long runs (>= 16 K tiles each) and about 6 runs per
@@ -491,6 +492,14 @@ FULL_CTAS_FILL = 0.95
 EVEN_GRID_GAIN = 0.88
 
 
+def even_grid_applies(m_bucket: int, k: int) -> bool:
+    """Whether ``even_workers`` may give launches of this rows bucket and k a grid across
+    strips (and so the ``crossing`` variant, which sm_90 ships for these only)."""
+    from .kernels.device_helpers import target_arch_family
+
+    return m_bucket == 1 and k != 4 and target_arch_family() == "sm_90"
+
+
 def even_workers(kernel, workers: int, units: int, sm_count: int, resident: int) -> int:
     """``workers``, or as many runs of equal length on every SM (``q`` x SMs, runs across
     strips: the ``crossing`` variant, whose ring runs on at a strip's end), where the split
@@ -508,9 +517,7 @@ def even_workers(kernel, workers: int, units: int, sm_count: int, resident: int)
     12.18 / 14.03 / 19.38; k = 4, bound by the DRAM stream, 4096x14336 13.27 -> 13.46;
     3584x18944 (0.93) k = 3 14.03 -> 15.02; 4096x4096, 11008x4096, 2048x5120 (1.0) 4-19%
     slower."""
-    from .kernels.device_helpers import target_arch_family
-
-    if kernel.m != 1 or kernel.k == 4 or workers <= sm_count or target_arch_family() != "sm_90":
+    if not even_grid_applies(kernel.m, kernel.k) or workers <= sm_count:
         return workers
     q = -(-workers // sm_count)  # the rule's most quads on one SM
     if q * sm_count > resident:
@@ -522,7 +529,8 @@ def even_workers(kernel, workers: int, units: int, sm_count: int, resident: int)
 
 def kernel_grid(kernel, N: int, K: int, sm_count: int, workers: int | None = None):
     """(workers, CTAs) of a ``GemvKernel``: column tiles x ``gemv_splits`` workers (evened
-    out by ``balanced_splits``) unless given, as many splits as fit the resident quads (one
+    out by ``balanced_splits``, at M = 1 perhaps equal runs across strips: ``even_workers``)
+    unless given, as many splits as fit the resident quads (one
     wave; the kernel's CTAs per SM come from its CTA size, registers and shared memory)."""
     from .kernels.device_helpers import check_run_bounds
     from .kernels.gemv import MAX_A_BYTES
@@ -631,7 +639,7 @@ class _GemvPlan:
         # whether each rows bucket takes the variant with CTA groups
         self.groups = {m: gemv_cta_groups(m, N, self.grids[m], self.variants[m]) for m in buckets}
         # whether its runs cross strips (``even_workers``): the variant whose ring runs on
-        self.crossing = {m: gemv_crossing(N, self.grids[m], self.groups[m]) for m in buckets}
+        self.crossing = {m: gemv_crossing(m, k, N, self.grids[m], self.groups[m]) for m in buckets}
         self.ws_elems = max(_ws_elems(w, m) for m, (w, _) in self.grids.items())
         self.by_m: list[tuple[object, int, int, int, int] | None] = [None] * (GEMV_MAX_M + 1)
         self.scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -673,10 +681,13 @@ def gemv_cta_groups(m_bucket: int, N: int, grid: tuple[int, int], variant: tuple
     )
 
 
-def gemv_crossing(N: int, grid: tuple[int, int], cta_groups: bool) -> bool:
-    """Whether a GEMV grid's runs cross strips (workers not a multiple of the column tiles,
-    no CTA groups): then it takes the variant whose ring runs on across them."""
-    return not cta_groups and grid[0] % -(-N // 128) != 0
+def gemv_crossing(m_bucket: int, k: int, N: int, grid: tuple[int, int], cta_groups: bool) -> bool:
+    """Whether a GEMV launch takes the ``crossing`` variant (whose ring runs on across a
+    strip's end): its grid's runs cross strips (workers not a multiple of the column tiles,
+    no CTA groups) where ``even_workers`` makes such grids. Elsewhere a grid across strips
+    (an explicit worker count) runs on the variant that drains the ring at each crossing."""
+    crosses = not cta_groups and grid[0] % -(-N // 128) != 0
+    return crosses and even_grid_applies(m_bucket, k)
 
 
 def _ws_elems(workers: int, m_bucket: int) -> int:
@@ -686,8 +697,8 @@ def _ws_elems(workers: int, m_bucket: int) -> int:
 
 # (k, N, K, device, A's dtype) -> plan; made only for CUDA devices and fp16/bf16
 _gemv_plans: dict[tuple[int, int, int, int, torch.dtype], _GemvPlan] = {}
-# (k, m bucket, dtype, lookup, stages) -> launch function taking the stream last
-# (compile.stream_launcher)
+# (k, m bucket, dtype, lookup, stages, CTA groups, crossing) -> launch function taking the
+# stream last (compile.stream_launcher)
 _gemv_launchers: dict[tuple, object] = {}
 
 

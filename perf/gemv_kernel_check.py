@@ -51,7 +51,7 @@ def grid_for(qw, M, dtype, workers, stages=None, lookup=None, quads=None) -> tup
 def run_gemv(A, qw, out, workers="auto", stages=None, lookup=None, quads=None, crossing=None):
     """One GEMV launch with an explicit stream-K grid (``grid_for``) and kernel variant (ring
     depth, lookup, quads per CTA; ``crossing``: the variant for runs across strips, None:
-    where the grid's runs cross them, as the library) through the library's launcher; the
+    the library's choice, ``ops.gemv_crossing``) through the library's launcher; the
     workspace is this script's own."""
     global _ws, _counters
     M = A.shape[0]
@@ -61,7 +61,7 @@ def run_gemv(A, qw, out, workers="auto", stages=None, lookup=None, quads=None, c
     if CTA_GROUPS == "auto":
         groups = gemv_cta_groups(m, qw.N, (n, ctas), (lookup, stages))
     if crossing is None:
-        crossing = gemv_crossing(qw.N, (n, ctas), groups)
+        crossing = gemv_crossing(m, qw.k, qw.N, (n, ctas), groups)
     fn = launcher(gemv_spec(qw.k, m, _NAMES[A.dtype], stages, lookup, quads, groups, crossing))
     need = 2 * n * m * COLS_PER_GROUP
     if _ws.numel() < need or _ws.device.type != "cuda":

@@ -191,26 +191,32 @@ def test_gemv_pair_table_option(k, workers, dtype, weights):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("k", KS)
-def test_gemv_runs_across_strips_keep_the_ring_running(k, dtype):
-    """The ``crossing`` variant, whose ring runs on across a strip's end, on grids whose runs
-    cross strips: strips of one K tile (K = 64: every step after the first a crossing, runs
-    over 2-3 strips), of 3 K tiles under the ring's depth (K = 160), runs over several strips
-    (5 workers), partial strips of 2-3 workers (37), the even grid ``ops.even_workers`` gives
-    4096x14336 (528 workers, runs of 13-14 of its 64 K tiles). Bit-identical to the variant
-    that drains and refills the ring at each crossing (the same sums in the same order),
-    within the reference's tolerance; the split slots left empty."""
+@pytest.mark.parametrize(
+    "k, stages, lookup",
+    [(2, None, None), (3, None, None), (4, None, None), (5, None, None), (5, 2, None),
+     (5, None, "shuffle")],
+)  # fmt: skip
+def test_gemv_runs_across_strips_keep_the_ring_running(k, stages, lookup, dtype):
+    """The ``crossing`` variant, whose ring runs on across a strip's end (the shipped ones:
+    k = 2, 3, 5, k = 5's 2-stage ring; k = 4, and the shuffle lookup: no table, so its
+    copies start after the CTA's setup instead of before a table fill), on grids whose runs cross strips: strips of
+    one K tile (K = 64: every step after the first a crossing), of two (K = 128: under the
+    ring's depth), of three (K = 160), runs over several strips (5 workers), partial strips
+    of 2-3 workers (37), the even grid ``ops.even_workers`` gives 4096x14336 (528 workers,
+    runs of 13-14 of its 64 K tiles). Bit-identical to the variant that drains and refills
+    the ring at each crossing (the same sums in the same order), within the reference's
+    tolerance; the split slots left empty."""
     from perf import gemv_kernel_check
     from perf.gemv_kernel_check import run_gemv
 
-    for K, N, workers in [(64, 512, 3), (64, 1000, 5), (160, 200, 4), (1056, 1000, 5),
-                          (1056, 1000, 37), (4096, 14336, 528)]:  # fmt: skip
+    for K, N, workers in [(64, 512, 3), (64, 1000, 5), (128, 1000, 37), (160, 200, 4),
+                          (1056, 1000, 5), (1056, 1000, 37), (4096, 14336, 528)]:  # fmt: skip
         qw = kbit_cute.quantize(torch.randn(N, K, device="cuda") * 0.05, k)
         A = torch.randn(1, K, device="cuda", dtype=dtype)
         got = []
         for crossing in (True, False):
             out = torch.full((1, N), float("nan"), device="cuda", dtype=dtype)
-            run_gemv(A, qw, out, workers, crossing=crossing)
+            run_gemv(A, qw, out, workers, stages, lookup, crossing=crossing)
             got.append(out)
         assert torch.equal(got[0], got[1]), (K, N, workers)
         assert rel_err(got[0], reference(A, qw)) < TOL[dtype], (K, N, workers)

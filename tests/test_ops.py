@@ -569,30 +569,46 @@ def test_gemv_grid_balances_splits(K, N, k, m_bucket, splits):
 
 
 @pytest.mark.parametrize(
-    "K, N, k, workers",
+    "K, N, k, workers, crossing",
     [
-        (4096, 14336, 3, 528),  # 448 runs of 16 K tiles (52 SMs hold 4, 80 hold 3): 4 x 132
-        (4096, 14336, 2, 528),
-        (18944, 3584, 5, 528),  # 448 runs of 18-19 tiles
-        (8192, 28672, 5, 896),  # (k = 5: the 2-stage variant, 7 quads a CTA: 924 would not even it)
-        (4096, 14336, 4, 448),  # k = 4, bound by the DRAM stream: the rule's
-        (14336, 4096, 3, 512),  # 116 SMs hold 4 runs, 16 hold 3: even enough
-        (3584, 18944, 3, 592),  # (the even grid's busiest SM: 0.93 of the rule's)
-        (2048, 5120, 3, 320),
-        (8192, 28672, 3, 896),  # (924 runs would stream as many tiles on the busiest SM)
-        (256, 128, 3, 1),  # (a grid of no more runs than SMs)
+        (4096, 14336, 3, 528, True),  # 448 runs of 16 K tiles (52 SMs hold 4, 80 hold 3)
+        (4096, 14336, 2, 528, True),
+        (18944, 3584, 5, 528, True),  # 448 runs of 18-19 tiles
+        (8192, 28672, 5, 896, False),  # (k = 5's 2-stage variant, 7 quads a CTA: 924 no evener)
+        (4096, 14336, 4, 448, False),  # k = 4, bound by the DRAM stream: the rule's
+        (14336, 4096, 3, 512, False),  # 116 SMs hold 4 runs, 16 hold 3: even enough
+        (3584, 18944, 3, 592, False),  # (the even grid's busiest SM: 0.93 of the rule's)
+        (2048, 5120, 3, 320, False),
+        (8192, 28672, 3, 896, False),  # (924 runs would stream as many tiles on the busiest SM)
+        (256, 128, 3, 1, False),  # (a grid of no more runs than SMs)
     ],
 )
-def test_even_workers_at_m1(K, N, k, workers):
+def test_even_workers_at_m1(K, N, k, workers, crossing):
     """``ops.even_workers`` on a 132-SM H100 (M = 1, k != 4): where the rule's grid leaves
     some SMs a quad more and an even grid (q x SMs runs, across strips) cuts the busiest
-    SM's tiles to ``EVEN_GRID_GAIN`` of its, the even grid; such a grid takes the
-    ``crossing`` variant. M = 2 keeps the rule's."""
+    SM's tiles to ``EVEN_GRID_GAIN`` of its, the even grid, on the ``crossing`` variant.
+    M = 2 keeps the rule's grid and the variant without it."""
     got, ctas = ops.gemv_grid(k, 1, torch.float16, N, K, 132)
     assert got == workers
-    assert ops.gemv_crossing(N, (got, ctas), False) == (workers % -(-N // 128) != 0)
+    assert ops.gemv_crossing(1, k, N, (got, ctas), False) == crossing
     rule, _ = ops.gemv_grid(k, 2, torch.float16, N, K, 132)
-    assert rule % -(-N // 128) == 0
+    assert rule % -(-N // 128) == 0  # (no even grid at M = 2: runs stay in their strips)
+    assert not ops.gemv_crossing(2, k, N, (workers, ctas), False)
+
+
+def test_even_workers_and_crossing_variants_are_sm90_only(monkeypatch):
+    """On sm_80 the rule's grid stays (its crossing variants of k = 2, 3 spilled) and the
+    library ships no crossing variant; sm_90a ships those of M = 1, k = 2, 3, 5."""
+    from kbit_cute.kernels import device_helpers, gemv
+
+    assert {s.name for s in gemv.specs("sm_90a") if s.name.endswith("_x")} == {
+        f"gemv_k{k}_m1_{d}{st}_x" for k in (2, 3, 5) for d in ("f16", "bf16")
+        for st in ("", *(["_s2"] if k == 5 else []))
+    }  # fmt: skip
+    assert not [s.name for s in gemv.specs("sm_80") if s.name.endswith("_x")]
+    monkeypatch.setattr(device_helpers, "target_arch_family", lambda: "sm_80")
+    assert not ops.even_grid_applies(1, 3)
+    assert not ops.gemv_crossing(1, 3, 14336, (528, 132), False)
 
 
 def test_plan_takes_the_crossing_variant_for_an_even_grid(fake_gpu, gen):

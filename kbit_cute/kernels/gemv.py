@@ -39,12 +39,14 @@ is ever needed (``finish_strip``, ``gather_strip``; one L2 round trip where a co
 three).
 ``workers`` = column tiles x s is an s-way split-K; the library picks that form (a run
 that crosses a column tile drains and refills its ring there: measured slower) with as
-many workers as fit one wave (``ops.kernel_grid``). The pair table (k <= 4) is shared by
-the quads of a CTA (up to 7, one CTA per SM). Workers interleave over the CTAs, except in
-the variants with CTA groups (M >= 2 where CTAs hold more than two workers,
-``ops.gemv_cta_groups``): a CTA holds consecutive workers, and a strip's workers in one CTA
-sum through shared memory before the hand-over (``finish_cta_group``), so that an owner
-gathers a slot per CTA.
+many workers as fit one wave (``ops.kernel_grid``), except at M = 1 where that leaves some
+SMs a quad more than others (``ops.even_workers``): there the ``crossing`` variant, whose
+ring runs on across a strip's end, takes equal runs on every SM.
+The pair table (k <= 4) is shared by the quads of a CTA (up to 7, one CTA per SM). Workers
+interleave over the CTAs, except in the variants with CTA groups (M >= 2 where CTAs hold
+more than two workers, ``ops.gemv_cta_groups``): a CTA holds consecutive workers, and a
+strip's workers in one CTA sum through shared memory before the hand-over
+(``finish_cta_group``), so that an owner gathers a slot per CTA.
 
 Launch (sm_90): programmatic dependent launch hides the launch behind the previous kernel's
 tail; meanwhile multi-quad CTAs only pull their first K tiles into L2 (harmless), then the
@@ -266,9 +268,10 @@ class GemvKernel:
         if cta_groups and crossing:
             raise ValueError("GEMV: CTA groups hold runs of one strip each, none crosses")
         self.cta_groups = cta_groups
-        # Not every launch: the run cursor cost short calls and the M = 4 launches with CTA
-        # groups 2-12% (2048x512 M = 1 k = 2 2.65 -> 2.98 us, 4096x4096 M = 4 k = 4 5.92 ->
-        # 6.32; session 34), though their K loops kept their instruction counts.
+        # A variant of its own: a first version that ran every launch this way (runs in one
+        # strip too) cost short calls and the M = 4 launches 2-12% (2048x512 M = 1 k = 2 2.65
+        # -> 2.98 us, 4096x4096 M = 4 k = 4 5.92 -> 6.32; session 34), though the K loops kept
+        # their instruction counts.
         self.crossing = crossing
         # K tiles in flight per warp, in its shared-memory ring (see STAGES).
         self.stages = stages or STAGES[k]
@@ -506,7 +509,7 @@ class GemvKernel:
 
         def prime(ring):
             if cutlass.const_expr(self.crossing):
-                self.start_run(mA, mW, mS, ring, rows, (wn, nt_first), src, cursor, busy)
+                self.start_run(mA, mW, mS, ring, rows, col0_first, src, cursor, busy)
             else:
                 self.prime_first_strip(mA, mW, mS, ring, rows, col0_first, run, busy)
 
@@ -518,7 +521,7 @@ class GemvKernel:
             scale = cute.make_tensor(pScale, cute.make_layout(1))[0]
             mBias = cute.make_tensor(pBias, cute.make_layout(mOut.shape[1]))
             if cutlass.const_expr(self.crossing and not self.table):
-                self.start_run(mA, mW, mS, ctx[5], rows, (wn, nt_first), src, cursor, busy)
+                self.start_run(mA, mW, mS, ctx[5], rows, col0_first, src, cursor, busy)
             for nt in cutlass.range(nt_first, (u_end - 1) // k_tiles + 1, unroll=1):
                 kt_begin = cutlass.max(u_begin - nt * k_tiles, 0)
                 kt_end = cutlass.min(u_end - nt * k_tiles, k_tiles)
@@ -526,10 +529,11 @@ class GemvKernel:
                     acc[r].fill(0.0)
                 col0 = nt * TILE_N + wn * WARP_COLS + g
                 # Activation rows 0..M-1 feed the mma's columns g; columns past M hold finite
-                # values that are never stored. The first strip's ring was primed above.
+                # values that are never stored. The run's (the first strip's) copies were
+                # started above.
                 if cutlass.const_expr(self.crossing):
-                    strips = (src, cursor, Int32(nt == (u_end - 1) // k_tiles))
-                    self.mainloop(mA, mW, mS, col0, rows, t, kt_begin, kt_end, ctx, run=strips)
+                    carry = (src, cursor, Int32(nt == (u_end - 1) // k_tiles))
+                    self.mainloop(mA, mW, mS, col0, rows, t, kt_begin, kt_end, ctx, carry=carry)
                 else:
                     primed = Int32(nt == nt_first) if cutlass.const_expr(self.table) else None
                     self.mainloop(mA, mW, mS, col0, rows, t, kt_begin, kt_end, ctx, primed=primed)
@@ -581,29 +585,22 @@ class GemvKernel:
         return cute.make_rmem_tensor((1,), Int64), cute.make_rmem_tensor((2,), Uint32)
 
     @cute.jit
-    def start_run(self, mA, mW, mS, ring, rows, warp_strip, src, cursor, busy):
-        """``issue_prologue`` of the worker's run (``cursor``: ``run_cursor``; ``warp_strip``:
-        the warp's column warp and first strip), if the warp has one (``busy``): the sources
-        of its first K tile into ``src``, then its first stages - 1 tiles, across a strip's
-        end if the run goes on past it."""
+    def start_run(self, mA, mW, mS, ring, rows, col0, src, cursor, busy):
+        """``issue_prologue`` of the worker's run (``cursor``: ``run_cursor``), if the warp
+        has one (``busy``): the sources of its first K tile (the thread's column ``col0`` of
+        the first strip) into ``src``, then its first stages - 1 tiles, across a strip's end
+        if the run goes on past it."""
         if busy:
-            self.start_copies(mA, mW, mS, ring, rows, warp_strip, src, cursor)
-
-    @cute.jit
-    def start_copies(self, mA, mW, mS, ring, rows, warp_strip, src, cursor):
-        wn, nt = warp_strip
-        w_src, off = self.copy_sources(mA, mW, mS, [(wn * WARP_COLS, nt)], rows, cursor[1])
-        src[0][0], src[1][0], src[1][1] = w_src[0], off[0], off[1]
-        warp_ring = ring.iterator + cute.assume(
-            cute.arch.warp_idx() * (self.stages * self.stage_words()), divby=CHUNK_WORDS
-        )
-        a_tiles = self.activation_tiles(mA)
-        for s in cutlass.range_constexpr(self.stages - 1):
-            if cursor[0] > 0:
-                dst = warp_ring + s * self.stage_words()
-                self.copy_from(mA, mS, src, 1, rows, cursor[1], dst, a_tiles)
-                self.advance_run(mW, mS, src, cursor)
-            cute.arch.cp_async_commit_group()
+            warp_ring, cols = self.warp_ring(ring, col0)
+            w_src, off = self.copy_sources(mA, mW, mS, cols, rows, cursor[1])
+            src[0][0], src[1][0], src[1][1] = w_src[0], off[0], off[1]
+            a_tiles = self.activation_tiles(mA)
+            for s in cutlass.range_constexpr(self.stages - 1):
+                if cursor[0] > 0:
+                    dst = warp_ring + s * self.stage_words()
+                    self.copy_from(mA, mS, src, len(cols), rows, cursor[1], dst, a_tiles)
+                    self.advance_run(mW, mS, src, cursor)
+                cute.arch.cp_async_commit_group()
 
     @cute.jit
     def advance_run(self, mW, mS, src, cursor):
@@ -741,7 +738,7 @@ class GemvKernel:
 
     @cute.jit
     def mainloop(self, mA, mW, mS, col0, rows, t, kt_begin, kt_end, ctx, second=None,
-                 primed=None, run=None):  # fmt: skip
+                 primed=None, carry=None):  # fmt: skip
         """acc += K tiles kt_begin..kt_end of the thread's columns times the activations of
         ``rows`` = (first row, count): mma column g < count takes row first + g.
         The warp's 32 columns are col0 - g onwards, or with ``second`` two runs of 16: that
@@ -752,7 +749,7 @@ class GemvKernel:
         registers; only the warp itself waits (``sync_warp``), never the CTA.
         ``primed`` (Int32, nonzero): ``issue_prologue`` of this run was already called.
 
-        ``run`` = (sources, cursor, last) (``crossing`` variants): this is one strip of a
+        ``carry`` = (sources, cursor, last) (``crossing`` variants): this is one strip of a
         stream-K run that ``start_run`` began; the copies follow the run's cursor, into the
         next strip's first tiles before this strip's last ones are read, and the ring drains
         only after the run's ``last`` strip. Without it the K tiles are a run of their own,
@@ -762,7 +759,7 @@ class GemvKernel:
         S = self.stages
         g = cute.arch.lane_idx() // 4
         warp_ring, cols = self.warp_ring(ring, col0, second)
-        if cutlass.const_expr(run is None):
+        if cutlass.const_expr(carry is None):
             # The copies' sources, one add per address and tile: at the loop, S - 1 ahead.
             src = self.copy_sources(mA, mW, mS, cols, rows, kt_begin)
             a_tiles = self.activation_tiles(mA)
@@ -783,7 +780,7 @@ class GemvKernel:
             # Segments of steps whose copies stay in one strip: the sources jump to the next
             # strip between them, outside the steps (a check per copy cost 6-17 instructions
             # per step, predicated).
-            src, cursor, last = run
+            src, cursor, last = carry
             a_tiles = self.activation_tiles(mA)
             steps = (warp_ring, g, t, rows, ctx, mA, mW, mS, len(cols), a_tiles)
             k_tiles = mW.shape[1][1]
