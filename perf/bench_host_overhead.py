@@ -101,15 +101,18 @@ def install_mock(K: int, N: int, k: int, dtype: torch.dtype, sm_count: int = 132
     from kbit_cute import device as kdev
     from kbit_cute.kernels.gemv import gemv_spec
 
-    lookup, stages = ops.gemv_variant(k, 1, N, K, sm_count)
-    spec = gemv_spec(k, 1, "f16" if dtype == torch.float16 else "bf16", stages, lookup)
+    plan = ops._GemvPlan(k, N, K, dtype, sm_count)
+    lookup, stages = plan.variants[1]
+    crossing = plan.crossing[1]  # (M = 1: never CTA groups)
+    dtype_name = "f16" if dtype == torch.float16 else "bf16"
+    spec = gemv_spec(k, 1, dtype_name, stages, lookup, crossing=crossing)
     params = kc.kernel_params(spec)
     stub = kc.make_launch(spec.name, params, lambda *a: None, stream_arg=True)
-    ops._gemv_launchers[(k, 1, dtype, lookup, stages, False)] = stub
+    ops._gemv_launchers[(k, 1, dtype, lookup, stages, False, crossing)] = stub
     ops._current_device = lambda: -1
     ops._raw_stream = lambda dev: 0
     kdev.scratch_tensor = lambda index, n, dt, fill_byte=None: torch.zeros(n, dtype=dt)
-    ops._gemv_plans[(k, N, K, -1, dtype)] = ops._GemvPlan(k, N, K, dtype, sm_count)
+    ops._gemv_plans[(k, N, K, -1, dtype)] = plan
     A = torch.randn(1, K, dtype=dtype)
     qw = kbit_cute.quantize(torch.randn(N, K, dtype=dtype), k)
     qlin = kbit_cute.KbitLinear.from_linear(torch.nn.Linear(K, N, dtype=dtype), k)
