@@ -71,7 +71,8 @@ def gpu_rows(K: int, N: int, k: int, dtype: torch.dtype) -> list[tuple[str, floa
     plan = ops._gemv_plans[(k, N, K, A.get_device(), dtype)]
     ws, cnt = plan.scratch[torch.cuda.current_stream().cuda_stream]
     lookup, stages = plan.variants[1]  # the variant the plan launches (its grid is for it)
-    spec = gemv_spec(k, 1, "f16" if dtype == torch.float16 else "bf16", stages, lookup)
+    dtype_name = "f16" if dtype == torch.float16 else "bf16"
+    spec = gemv_spec(k, 1, dtype_name, stages, lookup, crossing=plan.crossing[1])
     raw = kc.launcher(spec)
     raw_args = (A, qw.packed, qw.absmax, qw.codebook, qw.scale, out, out, ws, cnt)
     raw_args += (1, N, K, *plan.grids[1], *ops._cta_args(False, N, *plan.grids[1]), 0)
