@@ -500,7 +500,7 @@ def even_grid_applies(m_bucket: int, k: int) -> bool:
     return m_bucket == 1 and k != 4 and target_arch_family() == "sm_90"
 
 
-def even_workers(kernel, workers: int, units: int, sm_count: int, resident: int) -> int:
+def even_workers(kernel, workers: int, tiles: tuple[int, int], sm_count: int, resident: int) -> int:
     """``workers``, or as many runs of equal length on every SM (``q`` x SMs, runs across
     strips: the ``crossing`` variant, whose ring runs on at a strip's end), where the split
     rule leaves some SMs a quad more than others: M = 1, k != 4, sm_90 (measured there; on
@@ -519,11 +519,12 @@ def even_workers(kernel, workers: int, units: int, sm_count: int, resident: int)
     slower."""
     if not even_grid_applies(kernel.m, kernel.k) or workers <= sm_count:
         return workers
+    n_tiles, k_tiles = tiles  # (``workers``: column tiles x splits)
     q = -(-workers // sm_count)  # the rule's most quads on one SM
     if q * sm_count > resident:
         return workers
-    rule = q * -(-units // workers)
-    even = q * -(-units // (q * sm_count))
+    rule = busiest_sm_tiles(n_tiles, k_tiles, workers // n_tiles, sm_count)
+    even = q * -(-n_tiles * k_tiles // (q * sm_count))  # (runs across strips)
     return q * sm_count if even <= EVEN_GRID_GAIN * rule else workers
 
 
@@ -544,7 +545,7 @@ def kernel_grid(kernel, N: int, K: int, sm_count: int, workers: int | None = Non
         splits = balanced_splits(n_tiles, -(-K // 64), splits, sm_count, resident, kernel.m)
         splits = max(splits, grouped_splits(kernel, N, -(-K // 64), sm_count))
         workers = n_tiles * max(1, min(splits, resident // n_tiles))
-        workers = even_workers(kernel, workers, units, sm_count, resident)
+        workers = even_workers(kernel, workers, (n_tiles, -(-K // 64)), sm_count, resident)
     workers = min(workers, units)
     # Quads of a CTA take workers ctas apart: one CTA per slot, or as few as hold them all.
     fewest = -(-workers // kernel.quads)

@@ -199,13 +199,13 @@ def test_gemv_pair_table_option(k, workers, dtype, weights):
 def test_gemv_runs_across_strips_keep_the_ring_running(k, stages, lookup, dtype):
     """The ``crossing`` variant, whose ring runs on across a strip's end (the shipped ones:
     k = 2, 3, 5, k = 5's 2-stage ring; k = 4, and the shuffle lookup: no table, so its
-    copies start after the CTA's setup instead of before a table fill), on grids whose runs cross strips: strips of
-    one K tile (K = 64: every step after the first a crossing), of two (K = 128: under the
-    ring's depth), of three (K = 160), runs over several strips (5 workers), partial strips
-    of 2-3 workers (37), the even grid ``ops.even_workers`` gives 4096x14336 (528 workers,
-    runs of 13-14 of its 64 K tiles). Bit-identical to the variant that drains and refills
-    the ring at each crossing (the same sums in the same order), within the reference's
-    tolerance; the split slots left empty."""
+    copies start after the CTA's setup instead of before a table fill), on grids whose runs
+    cross strips: strips of one K tile (K = 64: every step after the first a crossing), of
+    two (K = 128: under the ring's depth), of three (K = 160), runs over several strips (5
+    workers), partial strips of 2-3 workers (37), the even grid ``ops.even_workers`` gives
+    4096x14336 (528 workers, runs of 13-14 of its 64 K tiles). Bit-identical to the variant
+    that drains and refills the ring at each crossing (the same sums in the same order),
+    within the reference's tolerance; the split slots left empty."""
     from perf import gemv_kernel_check
     from perf.gemv_kernel_check import run_gemv
 

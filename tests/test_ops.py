@@ -574,7 +574,7 @@ def test_gemv_grid_balances_splits(K, N, k, m_bucket, splits):
         (4096, 14336, 3, 528, True),  # 448 runs of 16 K tiles (52 SMs hold 4, 80 hold 3)
         (4096, 14336, 2, 528, True),
         (18944, 3584, 5, 528, True),  # 448 runs of 18-19 tiles
-        (8192, 28672, 5, 896, False),  # (k = 5's 2-stage variant, 7 quads a CTA: 924 no evener)
+        (8192, 28672, 5, 896, False),  # (k = 5's 2-stage variant, 7 quads a CTA: 924 as uneven)
         (4096, 14336, 4, 448, False),  # k = 4, bound by the DRAM stream: the rule's
         (14336, 4096, 3, 512, False),  # 116 SMs hold 4 runs, 16 hold 3: even enough
         (3584, 18944, 3, 592, False),  # (the even grid's busiest SM: 0.93 of the rule's)

@@ -261,7 +261,7 @@ class GemvKernel:
         """``extra_smem``: shared-memory bytes a subclass's kernel adds per CTA;
         ``cta_groups``: the variant with CTA groups (``finish_cta_group``); ``crossing``: the
         variant for runs that cross strips, whose ring runs on across a strip's end
-        (``mainloop``'s ``run``; ``ops.even_workers``)."""
+        (``mainloop``'s ``carry``; ``ops.even_workers``)."""
         self.k, self.m, self.dtype = k, m, dtype
         if cta_groups and not (self.POLLED_HANDOVER and m >= self.CTA_GROUPS_FROM_M):
             raise ValueError(f"GEMV m={m}: no CTA groups below m={self.CTA_GROUPS_FROM_M}")
@@ -803,7 +803,8 @@ class GemvKernel:
         """The K loop's steps for tiles (first, end), the ring read from stage ``read`` on;
         returns the stage to read next. The step of tile kt copies K tile kt + shift of
         ``src``'s strip into the ring if kt < limit (``copies`` = (limit, shift); None: the
-        tile stages - 1 ahead if it lies before ``tiles``' end), and moves ``src`` on by one
+        tile stages - 1 ahead if it lies before ``tiles``' end, the form the variants without
+        a run cursor compiled to before it, byte for byte), and moves ``src`` on by one
         tile."""
         warp_ring, g, t, rows, ctx, mA, mW, mS, runs, a_tiles = steps
         codebook, half_select, atom, frag_a, frag_b, ring, buf, acc = ctx
