@@ -477,12 +477,9 @@ def grouped_splits(kernel, N: int, k_tiles: int, sm_count: int) -> int:
     k = 2 M = 8 5.46 -> 5.03; shapes of >= 96 column tiles keep the rule's (4096x14336,
     8192x28672, 2048x12288), as do those whose count would not make groups (4096x2048 M = 8:
     16 splits, 1.94 workers per CTA, were 14% slower than 8)."""
-    from .kernels.gemv import default_lookup
-
     n_tiles = -(-N // 128)
     splits = min(GROUPED_WORKERS_PER_SM * sm_count // n_tiles, k_tiles // BALANCE_MIN_RUN)
-    lookup = None if kernel.lookup == default_lookup(kernel.k) else kernel.lookup
-    grouped = gemv_cta_groups(kernel.m, N, (n_tiles * splits, sm_count), (lookup,))
+    grouped = gemv_cta_groups(kernel.m, N, (n_tiles * splits, sm_count), (_lookup_arg(kernel),))
     return splits if grouped else 0
 
 
@@ -528,9 +525,82 @@ def even_workers(kernel, workers: int, tiles: tuple[int, int], sm_count: int, re
     return q * sm_count if even <= EVEN_GRID_GAIN * rule else workers
 
 
+def cta_busiest_tiles(n_tiles: int, k_tiles: int, workers: int, ctas: int, sm_count: int) -> int:
+    """K tiles the busiest SM streams when ``workers`` equal runs of the column tiles' K tiles
+    (``device_helpers.run_start``) are dealt to ``ctas`` CTAs in consecutive blocks
+    (``device_helpers.cta_first``: the first workers % ctas CTAs hold one more), CTA c on
+    SM c % sm_count. Exact where ``busiest_sm_tiles`` rounds every run up."""
+    units = n_tiles * k_tiles
+    per_cta, longer = divmod(workers, ctas)
+    sm_tiles = [0] * sm_count
+    start = 0
+    for c in range(ctas):
+        end = (c + 1) * per_cta + min(c + 1, longer)  # (``cta_first`` of CTA c + 1)
+        sm_tiles[c % sm_count] += end * units // workers - start * units // workers
+        start = end
+    return max(sm_tiles)
+
+
+# ``even_grouped_splits``: a larger split count for a launch with CTA groups where it cuts the
+# busiest SM's K tiles (``cta_busiest_tiles``) to this share or less.
+GROUPED_EVEN_GAIN = 0.92
+
+
+def even_grouped_splits(kernel, n_tiles: int, k_tiles: int, splits: int, sm_count: int) -> int:
+    """``splits``, or more where the launch takes CTA groups (``gemv_cta_groups``: M >= 2)
+    and its CTAs would stream uneven shares of the K tiles: the CTAs hold consecutive
+    workers, so e.g. 4096x14336's 448 runs of 16 K tiles on 132 CTAs give 52 SMs 64 tiles and
+    80 SMs 48; 7 splits (784 runs of 9-10 tiles) give every SM 54-55. The count (up to one
+    wave of quads, runs of >= ``BALANCE_MIN_RUN`` tiles) with the fewest tiles on the busiest
+    SM, the fewest splits among equals, if that cuts them to ``GROUPED_EVEN_GAIN`` of
+    ``splits``' or less."""
+    slots = sm_count * kernel.ctas_per_sm
+
+    def busiest(s: int) -> int | None:
+        workers = n_tiles * s
+        ctas = grid_ctas(kernel, workers, slots)
+        if not gemv_cta_groups(kernel.m, n_tiles * 128, (workers, ctas), (_lookup_arg(kernel),)):
+            return None
+        return cta_busiest_tiles(n_tiles, k_tiles, workers, ctas, sm_count)
+
+    rule = busiest(splits)
+    if rule is None:
+        return splits
+    limit = min(slots * kernel.quads // n_tiles, k_tiles // BALANCE_MIN_RUN)
+    best, best_tiles = splits, GROUPED_EVEN_GAIN * rule
+    for s in range(splits + 1, limit + 1):
+        tiles = busiest(s)
+        if tiles is not None and tiles <= best_tiles and (best == splits or tiles < best_tiles):
+            best, best_tiles = s, tiles
+    return best
+
+
+def _lookup_arg(kernel) -> str | None:
+    """The kernel's lookup as ``gemv_variant`` gives it: None for its k's default."""
+    from .kernels.gemv import default_lookup
+
+    return None if kernel.lookup == default_lookup(kernel.k) else kernel.lookup
+
+
+def grid_ctas(kernel, workers: int, slots: int) -> int:
+    """CTAs of a ``GemvKernel`` launch of ``workers`` on ``slots`` CTA slots (SMs x CTAs per
+    SM): the quads of a CTA take workers ctas apart, one CTA per slot, or as few as hold them
+    all."""
+    fewest = -(-workers // kernel.quads)
+    if kernel.quads > 1 and kernel.k >= 3 and fewest >= FULL_CTAS_FILL * slots:
+        # Workers that nearly fill every slot (e.g. 896 quads: 128 CTAs of 7, or 132 of
+        # which 28 hold 6): fewer, full CTAs. A CTA with a quad less leaves its SM idle
+        # early, and the kernels of k >= 3 are bound by the DRAM stream there, not by the
+        # SM count (8192x28672 k = 4: 48.3 -> 46.1 us; k = 3 equal; k = 2, bound by the
+        # shared-memory pipe of each SM, 1-2% slower: not taken).
+        return fewest
+    return max(fewest, min(workers, slots))
+
+
 def kernel_grid(kernel, N: int, K: int, sm_count: int, workers: int | None = None):
     """(workers, CTAs) of a ``GemvKernel``: column tiles x ``gemv_splits`` workers (evened
-    out by ``balanced_splits``, at M = 1 perhaps equal runs across strips: ``even_workers``)
+    out by ``balanced_splits``, with CTA groups over the CTAs by ``even_grouped_splits``, at
+    M = 1 perhaps equal runs across strips: ``even_workers``)
     unless given, as many splits as fit the resident quads (one
     wave; the kernel's CTAs per SM come from its CTA size, registers and shared memory)."""
     from .kernels.device_helpers import check_run_bounds
@@ -544,20 +614,12 @@ def kernel_grid(kernel, N: int, K: int, sm_count: int, workers: int | None = Non
         splits = gemv_splits(N, K, sm_count, kernel.m)
         splits = balanced_splits(n_tiles, -(-K // 64), splits, sm_count, resident, kernel.m)
         splits = max(splits, grouped_splits(kernel, N, -(-K // 64), sm_count))
-        workers = n_tiles * max(1, min(splits, resident // n_tiles))
+        splits = max(1, min(splits, resident // n_tiles))
+        splits = even_grouped_splits(kernel, n_tiles, -(-K // 64), splits, sm_count)
+        workers = n_tiles * splits
         workers = even_workers(kernel, workers, (n_tiles, -(-K // 64)), sm_count, resident)
     workers = min(workers, units)
-    # Quads of a CTA take workers ctas apart: one CTA per slot, or as few as hold them all.
-    fewest = -(-workers // kernel.quads)
-    if kernel.quads > 1 and kernel.k >= 3 and fewest >= FULL_CTAS_FILL * slots:
-        # Workers that nearly fill every slot (e.g. 896 quads: 128 CTAs of 7, or 132 of
-        # which 28 hold 6): fewer, full CTAs. A CTA with a quad less leaves its SM idle
-        # early, and the kernels of k >= 3 are bound by the DRAM stream there, not by the
-        # SM count (8192x28672 k = 4: 48.3 -> 46.1 us; k = 3 equal; k = 2, bound by the
-        # shared-memory pipe of each SM, 1-2% slower: not taken).
-        ctas = fewest
-    else:
-        ctas = max(fewest, min(workers, slots))
+    ctas = grid_ctas(kernel, workers, slots)
     # Every quad computes its run bounds, idle ones too (worker index up to ctas x quads).
     check_run_bounds(units, ctas * kernel.quads)
     if kernel.m * K * 2 >= MAX_A_BYTES:

@@ -548,9 +548,9 @@ def test_gemv_splits_by_rows(K, N, m_bucket, splits):
         (14336, 4096, 4, 1, 16),  # (the rule's cap)
         (28672, 8192, 4, 1, 8),  # (14 splits: the busiest SM streams as many tiles)
         (8192, 28672, 4, 1, 4),
-        (3584, 18944, 4, 8, 2),  # (M = 8: 4 splits would be 4.5 runs per SM)
+        (3584, 18944, 4, 8, 5),  # (M = 8: the rule's 2; CTA groups: ``even_grouped_splits``)
         (3072, 9216, 4, 8, 7),  # M = 8: 2 -> 7 (3.8 runs per SM)
-        (4096, 11008, 4, 8, 4),  # (M = 8: 6 cuts the busiest SM's tiles to 0.92 only)
+        (4096, 11008, 4, 8, 6),  # (M = 8: ``balanced_splits``' 4; ``even_grouped_splits``' 6)
         (2048, 10240, 4, 1, 4),  # (8 splits: runs of 4 tiles at 4.8 per SM, measured slower)
         (3072, 5120, 4, 1, 8),  # (12: runs of 4 at 3.6 per SM)
         (3584, 4608, 4, 1, 10),  # (14: runs of 4 at 3.8 per SM)
@@ -566,6 +566,78 @@ def test_gemv_grid_balances_splits(K, N, k, m_bucket, splits):
     left a wave of few or uneven runs take more splits; the others keep the rule's."""
     workers, _ = ops.gemv_grid(k, m_bucket, torch.float16, N, K, 132)
     assert workers == -(-N // 128) * splits
+
+
+def test_cta_busiest_tiles_counts_each_sms_ctas():
+    """Runs of 2 K tiles (2 column tiles x 3 K tiles in 3 runs): 2 CTAs hold workers {0, 1}
+    and {2}; 3 CTAs on 2 SMs put CTAs 0 and 2 on SM 0."""
+    assert ops.cta_busiest_tiles(2, 3, 3, 2, 2) == 4
+    assert ops.cta_busiest_tiles(2, 3, 3, 3, 2) == 4
+    assert ops.cta_busiest_tiles(2, 3, 3, 3, 3) == 2
+    # 4096x14336: 448 runs of 16 tiles, 52 CTAs of 4; 784 runs of 9-10 tiles, 5-6 per CTA
+    assert ops.cta_busiest_tiles(112, 64, 448, 132, 132) == 64
+    assert ops.cta_busiest_tiles(112, 64, 784, 132, 132) == 55
+
+
+@pytest.mark.parametrize(
+    "K, N, k, m_bucket, splits",
+    [
+        (4096, 14336, 3, 4, 7),  # 448 runs on 132 CTAs (52 hold 4) -> 784 (5-6 each)
+        (4096, 14336, 3, 2, 7),
+        (18944, 3584, 3, 4, 33),  # 28 column tiles x 16 -> 924 runs, 7 per CTA
+        (18944, 3584, 5, 4, 18),  # (k = 5: 4 quads per SM)
+        (2048, 10240, 4, 4, 8),
+        (4096, 14336, 5, 4, 4),  # (k = 5: 528 quads in a wave, 4 splits at most)
+        (14336, 4096, 3, 4, 16),  # (116 CTAs hold 4 runs, 16 hold 3: even enough)
+        (8192, 28672, 4, 4, 4),
+        (4096, 14336, 3, 1, None),  # (M = 1: no CTA groups; ``even_workers``)
+    ],
+)
+def test_even_grouped_splits(K, N, k, m_bucket, splits):
+    """``ops.even_grouped_splits`` on a 132-SM H100 (sm_90a): launches with CTA groups whose
+    CTAs stream uneven shares of the K tiles take the split count that evens them out."""
+    workers, ctas = ops.gemv_grid(k, m_bucket, torch.float16, N, K, 132)
+    if splits is None:
+        assert workers == 528
+        return
+    assert workers == -(-N // 128) * splits
+    assert ops.gemv_cta_groups(m_bucket, N, (workers, ctas), (None,))
+
+
+def test_even_grouped_splits_bounds():
+    """Over a sweep of shapes, rows buckets and k: a moved count keeps CTA groups, one wave of
+    quads and runs of >= ``BALANCE_MIN_RUN`` K tiles, and cuts the busiest SM's K tiles to
+    ``GROUPED_EVEN_GAIN`` of the count it was given or less."""
+    from kbit_cute.kernels.gemv import _DTYPES, GemvKernel
+
+    moved = 0
+    for n_tiles in range(3, 240, 13):
+        for k_tiles in (16, 28, 40, 56, 64, 112, 224, 296):
+            for m in (2, 4, 8):
+                for k in (3, 5):
+                    kernel = GemvKernel(k, m, _DTYPES["f16"])
+                    slots = 132 * kernel.ctas_per_sm
+                    rule = min(ops.gemv_splits(n_tiles * 128, k_tiles * 64, 132, m),
+                               slots * kernel.quads // n_tiles)  # fmt: skip
+                    if rule < 1:
+                        continue
+                    got = ops.even_grouped_splits(kernel, n_tiles, k_tiles, rule, 132)
+                    assert got >= rule
+                    if got == rule:
+                        continue
+                    moved += 1
+                    workers = n_tiles * got
+                    ctas = ops.grid_ctas(kernel, workers, slots)
+                    assert workers <= slots * kernel.quads
+                    assert k_tiles // got >= ops.BALANCE_MIN_RUN
+                    assert ops.gemv_cta_groups(m, n_tiles * 128, (workers, ctas), (None,))
+                    before = ops.cta_busiest_tiles(
+                        n_tiles, k_tiles, n_tiles * rule,
+                        ops.grid_ctas(kernel, n_tiles * rule, slots), 132,
+                    )  # fmt: skip
+                    after = ops.cta_busiest_tiles(n_tiles, k_tiles, workers, ctas, 132)
+                    assert after <= ops.GROUPED_EVEN_GAIN * before
+    assert moved > 0
 
 
 @pytest.mark.parametrize(
