@@ -485,7 +485,9 @@ def grouped_splits(kernel, N: int, k_tiles: int, sm_count: int) -> int:
 
 # ``kernel_grid`` takes the fewest (full) CTAs where they fill at least this share of the slots.
 FULL_CTAS_FILL = 0.95
-# ``even_workers``: an even grid where it cuts the busiest SM's K tiles to this share or less.
+# ``even_workers``: an even grid where it saves the busiest SM at least this many K tiles (and,
+# at k = 5, cuts them to EVEN_GRID_GAIN of the rule's or less).
+EVEN_GRID_MIN_SAVED = 6
 EVEN_GRID_GAIN = 0.88
 
 
@@ -507,37 +509,55 @@ def even_workers(kernel, workers: int, tiles: tuple[int, int], sm_count: int, re
     so an SM with a quad more finishes that much later: 4096x14336 (448 runs of 16 K tiles:
     52 SMs hold 4, 80 hold 3) ran its 3-quad SMs' K loops out at 8.5-9.3 us, the 4-quad
     ones' at 10.9-11.2 (k = 3, per-warp ``%globaltimer`` stamps, session 34). Each crossing
-    adds a partial slot to gather, so the even grid pays only where it cuts the busiest SM's
-    K tiles to EVEN_GRID_GAIN of the rule's or less (session 34, ``python -m
-    perf.gemv_kernel_check --no-check --workers auto 528``, M = 1, us): 4096x14336 k = 2 / 3
-    / 5 10.95 / 12.78 / 17.20 -> 10.40 / 12.02 / 16.54, 18944x3584 12.69 / 15.02 / 20.98 ->
-    12.18 / 14.03 / 19.38; k = 4, bound by the DRAM stream, 4096x14336 13.27 -> 13.46;
-    3584x18944 (0.93) k = 3 14.03 -> 15.02; 4096x4096, 11008x4096, 2048x5120 (1.0) 4-19%
-    slower."""
+    adds a partial to gather and a segment to the run (~0.3 us), so the even grid pays where
+    it saves the busiest SM (``cta_busiest_tiles``: the rule's workers interleave over the
+    CTAs, the crossing variants' lie in consecutive blocks) EVEN_GRID_MIN_SAVED K tiles or
+    more; at k = 5, closer to the DRAM stream, only where they are EVEN_GRID_GAIN of the
+    rule's or less. Sessions 34-35 (``python -m perf.gemv_kernel_check --no-check --workers
+    auto W``, M = 1, best of two, us, k = 2 / 3 / 5, rule -> even; tiles saved): 4096x14336
+    (64 -> 55) 10.95 / 12.78 / 17.20 -> 10.40 / 12.02 / 16.54; 18944x3584 (76 -> 64) 12.69 /
+    15.02 / 20.98 -> 11.59 / 13.45 / 19.17; 8192x28672 (224 -> 218) k = 2 / 3 31.29 / 38.29
+    -> 30.68 / 37.59; 28672x8192 (224 -> 218) 30.75 / 37.67 / 53.14 -> 29.88 / 37.49 / 55.35;
+    3584x18944 (70 -> 63) 11.65 / 13.77 / 19.08 -> 11.53 / 13.68 / 19.00; 5120x13824 (70 ->
+    66) within 1%; 11008x4096 (44 -> 42) 8.55 / 9.82 / 13.11 -> 8.97 / 10.32 / 13.43, 14336x4096
+    (56 -> 55) 1-3% slower; k = 4, bound by the DRAM stream, 4096x14336 13.27 -> 13.46;
+    2048x5120 (12 -> 10, runs of 3 K tiles) 4.24 / 4.64 / 5.77 -> 5.05 / 5.45 / 6.37."""
     if not even_grid_applies(kernel.m, kernel.k) or workers <= sm_count:
         return workers
-    n_tiles, k_tiles = tiles  # (``workers``: column tiles x splits)
     q = -(-workers // sm_count)  # the rule's most quads on one SM
     if q * sm_count > resident:
         return workers
-    rule = busiest_sm_tiles(n_tiles, k_tiles, workers // n_tiles, sm_count)
-    even = q * -(-n_tiles * k_tiles // (q * sm_count))  # (runs across strips)
-    return q * sm_count if even <= EVEN_GRID_GAIN * rule else workers
+    slots = sm_count * kernel.ctas_per_sm
+    ctas = grid_ctas(kernel, workers, slots)
+    rule = cta_busiest_tiles(*tiles, workers, ctas, sm_count, interleaved=True)
+    even = q * sm_count
+    even_tiles = cta_busiest_tiles(*tiles, even, grid_ctas(kernel, even, slots), sm_count)
+    if rule - even_tiles < EVEN_GRID_MIN_SAVED:
+        return workers
+    return even if kernel.k != 5 or even_tiles <= EVEN_GRID_GAIN * rule else workers
 
 
-def cta_busiest_tiles(n_tiles: int, k_tiles: int, workers: int, ctas: int, sm_count: int) -> int:
+def cta_busiest_tiles(
+    n_tiles: int, k_tiles: int, workers: int, ctas: int, sm_count: int, interleaved: bool = False
+) -> int:
     """K tiles the busiest SM streams when ``workers`` equal runs of the column tiles' K tiles
     (``device_helpers.run_start``) are dealt to ``ctas`` CTAs in consecutive blocks
-    (``device_helpers.cta_first``: the first workers % ctas CTAs hold one more), CTA c on
-    SM c % sm_count. Exact where ``busiest_sm_tiles`` rounds every run up."""
+    (``device_helpers.cta_first``: the first workers % ctas CTAs hold one more; CTA groups and
+    the ``crossing`` variants) or, ``interleaved``, worker w to CTA w % ctas (the others), CTA
+    c on SM c % sm_count. Exact where ``busiest_sm_tiles`` rounds every run up."""
     units = n_tiles * k_tiles
     per_cta, longer = divmod(workers, ctas)
     sm_tiles = [0] * sm_count
-    start = 0
-    for c in range(ctas):
-        end = (c + 1) * per_cta + min(c + 1, longer)  # (``cta_first`` of CTA c + 1)
-        sm_tiles[c % sm_count] += end * units // workers - start * units // workers
-        start = end
+    for w in range(workers):
+        if interleaved:
+            c = w % ctas
+        else:  # (the inverse of ``cta_first``)
+            c = (
+                w // (per_cta + 1)
+                if w < longer * (per_cta + 1)
+                else longer + (w - longer * (per_cta + 1)) // per_cta
+            )
+        sm_tiles[c % sm_count] += (w + 1) * units // workers - w * units // workers
     return max(sm_tiles)
 
 

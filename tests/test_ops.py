@@ -646,20 +646,25 @@ def test_even_grouped_splits_bounds():
         (4096, 14336, 3, 528, True),  # 448 runs of 16 K tiles (52 SMs hold 4, 80 hold 3)
         (4096, 14336, 2, 528, True),
         (18944, 3584, 5, 528, True),  # 448 runs of 18-19 tiles
-        (8192, 28672, 5, 896, False),  # (k = 5's 2-stage variant, 7 quads a CTA: 924 as uneven)
+        (8192, 28672, 5, 896, False),  # (k = 5's 2-stage variant: 224 -> 218 is 0.97)
         (4096, 14336, 4, 448, False),  # k = 4, bound by the DRAM stream: the rule's
         (14336, 4096, 3, 512, False),  # 116 SMs hold 4 runs, 16 hold 3: even enough
-        (3584, 18944, 3, 592, False),  # (the even grid's busiest SM: 0.93 of the rule's)
+        (3584, 18944, 3, 660, True),  # (busiest SM 70 -> 63 K tiles)
+        (8192, 28672, 2, 924, True),  # (224 -> 218: 28 SMs held 6 runs, 104 held 7)
+        (8192, 28672, 3, 924, True),
+        (28672, 8192, 5, 512, False),  # (k = 5: 224 -> 218 is 0.97 of the rule's)
+        (11008, 4096, 2, 512, False),  # (44 -> 42 K tiles: fewer than EVEN_GRID_MIN_SAVED)
+        (2048, 10240, 2, 320, False),  # (24 -> 20 K tiles)
         (2048, 5120, 3, 320, False),
-        (8192, 28672, 3, 896, False),  # (924 runs would stream as many tiles on the busiest SM)
         (256, 128, 3, 1, False),  # (a grid of no more runs than SMs)
     ],
 )
 def test_even_workers_at_m1(K, N, k, workers, crossing):
     """``ops.even_workers`` on a 132-SM H100 (M = 1, k != 4): where the rule's grid leaves
-    some SMs a quad more and an even grid (q x SMs runs, across strips) cuts the busiest
-    SM's tiles to ``EVEN_GRID_GAIN`` of its, the even grid, on the ``crossing`` variant.
-    M = 2 keeps the rule's grid and the variant without it."""
+    some SMs more K tiles than others and an even grid (q x SMs runs, across strips) saves
+    the busiest SM ``EVEN_GRID_MIN_SAVED`` tiles or more (at k = 5 also down to
+    ``EVEN_GRID_GAIN`` of its), the even grid, on the ``crossing`` variant. M = 2 keeps the
+    rule's grid and the variant without it."""
     got, ctas = ops.gemv_grid(k, 1, torch.float16, N, K, 132)
     assert got == workers
     assert ops.gemv_crossing(1, k, N, (got, ctas), False) == crossing

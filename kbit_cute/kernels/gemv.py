@@ -473,6 +473,10 @@ class GemvKernel:
         # every SM that has a CTA.
         # (The host divides: ``cta_args``. Divisions here lie on the path to the first
         # loads: 512x2048 M = 1 2.5 -> 2.8 us with two more of them.)
+        # The crossing variants hold consecutive workers too: their runs are of equal length
+        # but for one tile, and the longer ones come every units % workers-th worker, a period
+        # that can divide the CTA count (924 runs over 28672 units: 28 longer ones 33 apart on
+        # 132 CTAs, all in the same 33 SMs if interleaved).
         grouped = False
         first_worker = Int32(0)
         if cutlass.const_expr(self.cta_groups):
@@ -481,6 +485,9 @@ class GemvKernel:
         groups = (splits, per_cta, first_worker)
         worker = quad * ctas + cta
         busy = worker < workers
+        if cutlass.const_expr(self.crossing):
+            worker = cta_first(cta, workers, ctas, per_cta) + quad
+            busy = worker < cta_first(cta + 1, workers, ctas, per_cta)
         if grouped:
             worker = first_worker + quad
             busy = worker < cta_first(cta + 1, workers, ctas, per_cta)
@@ -1329,7 +1336,9 @@ class GemvKernel:
         else:
             w_lo = worker_of(strip * k_tiles, units, workers, wide)
             w_hi = worker_of(strip * k_tiles + k_tiles - 1, units, workers, wide)
-            if w_lo != w_hi and handover_owner(w_lo, w_hi, ctas) == worker:
+            # (consecutive workers, the crossing variants': w_hi is in the highest CTA)
+            owner = w_hi if cutlass.const_expr(self.crossing) else handover_owner(w_lo, w_hi, ctas)
+            if w_lo != w_hi and owner == worker:
                 owns = Int32(1)
                 first_slot = self.first_slot(w_lo, strip, plan)
                 later = w_hi - w_lo
