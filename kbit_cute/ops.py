@@ -485,10 +485,12 @@ def grouped_splits(kernel, N: int, k_tiles: int, sm_count: int) -> int:
 
 # ``kernel_grid`` takes the fewest (full) CTAs where they fill at least this share of the slots.
 FULL_CTAS_FILL = 0.95
-# ``even_workers``: an even grid where it saves the busiest SM at least this many K tiles (and,
-# at k = 5, cuts them to EVEN_GRID_GAIN of the rule's or less).
-EVEN_GRID_MIN_SAVED = 6
+# ``even_workers``: an even grid where it cuts the busiest SM's K tiles to EVEN_GRID_GAIN of
+# the rule's or less, or, at k = 2, 3, saves it at least EVEN_GRID_MIN_SAVED tiles.
 EVEN_GRID_GAIN = 0.88
+EVEN_GRID_MIN_SAVED = 6
+# ... with runs of at least this many K tiles (2048x5120's 396 runs of 3.2: 10-19% slower).
+EVEN_GRID_MIN_RUN = 6
 
 
 def even_grid_applies(m_bucket: int, k: int) -> bool:
@@ -510,18 +512,20 @@ def even_workers(kernel, workers: int, tiles: tuple[int, int], sm_count: int, re
     52 SMs hold 4, 80 hold 3) ran its 3-quad SMs' K loops out at 8.5-9.3 us, the 4-quad
     ones' at 10.9-11.2 (k = 3, per-warp ``%globaltimer`` stamps, session 34). Each crossing
     adds a partial to gather and a segment to the run (~0.3 us), so the even grid pays where
-    it saves the busiest SM (``cta_busiest_tiles``: the rule's workers interleave over the
-    CTAs, the crossing variants' lie in consecutive blocks) EVEN_GRID_MIN_SAVED K tiles or
-    more; at k = 5, closer to the DRAM stream, only where they are EVEN_GRID_GAIN of the
-    rule's or less. Sessions 34-35 (``python -m perf.gemv_kernel_check --no-check --workers
-    auto W``, M = 1, best of two, us, k = 2 / 3 / 5, rule -> even; tiles saved): 4096x14336
-    (64 -> 55) 10.95 / 12.78 / 17.20 -> 10.40 / 12.02 / 16.54; 18944x3584 (76 -> 64) 12.69 /
-    15.02 / 20.98 -> 11.59 / 13.45 / 19.17; 8192x28672 (224 -> 218) k = 2 / 3 31.29 / 38.29
-    -> 30.68 / 37.59; 28672x8192 (224 -> 218) 30.75 / 37.67 / 53.14 -> 29.88 / 37.49 / 55.35;
-    3584x18944 (70 -> 63) 11.65 / 13.77 / 19.08 -> 11.53 / 13.68 / 19.00; 5120x13824 (70 ->
-    66) within 1%; 11008x4096 (44 -> 42) 8.55 / 9.82 / 13.11 -> 8.97 / 10.32 / 13.43, 14336x4096
-    (56 -> 55) 1-3% slower; k = 4, bound by the DRAM stream, 4096x14336 13.27 -> 13.46;
-    2048x5120 (12 -> 10, runs of 3 K tiles) 4.24 / 4.64 / 5.77 -> 5.05 / 5.45 / 6.37."""
+    it cuts the busiest SM's K tiles (``cta_busiest_tiles``: the rule's workers interleave
+    over the CTAs, the crossing variants' lie in consecutive blocks) to EVEN_GRID_GAIN of the
+    rule's or less or, at k = 2, 3 (the issue-bound ones), saves it EVEN_GRID_MIN_SAVED tiles
+    or more; in runs of EVEN_GRID_MIN_RUN tiles or more. Sessions 34-35 (``python -m
+    perf.gemv_kernel_check --no-check --workers auto W``, M = 1, us, k = 2 / 3 / 5, rule ->
+    even, the busiest SM's K tiles): 4096x14336 (64 -> 55) 10.95 / 12.78 / 17.20 -> 10.40 /
+    12.02 / 16.54; 18944x3584 (76 -> 64) 12.69 / 15.02 / 20.98 -> 11.59 / 13.45 / 19.17;
+    2048x10240 (24 -> 20) 5.86 / 6.53 / 8.94 -> 5.89 / 6.64 / 8.25; 8960x1536 5.51 / 6.07 / 7.64
+    -> 5.51 / 5.93 / 7.06; saving 6-7 tiles: 8192x28672 (224 -> 218) 31.32 / 38.00 -> 30.56 /
+    37.46, 28672x8192 (the same) 30.97 / 37.68 -> 30.35 / 38.19 (k = 5 53.78 -> 53.96),
+    3584x18944 (70 -> 63) 11.89 / 14.02 / 19.31 -> 11.60 / 13.68 / 19.49; fewer: 5120x13824
+    (70 -> 66) within 1%, 11008x4096 (44 -> 42) 8.55 / 9.82 / 13.11 -> 8.97 / 10.32 / 13.43,
+    14336x4096 (56 -> 55) 1-3% slower; k = 4, bound by the DRAM stream, 4096x14336 13.27 ->
+    13.46; 2048x5120 (12 -> 10, runs of 3 K tiles) 4.24 / 4.64 / 5.77 -> 5.05 / 5.45 / 6.37."""
     if not even_grid_applies(kernel.m, kernel.k) or workers <= sm_count:
         return workers
     q = -(-workers // sm_count)  # the rule's most quads on one SM
@@ -532,9 +536,13 @@ def even_workers(kernel, workers: int, tiles: tuple[int, int], sm_count: int, re
     rule = cta_busiest_tiles(*tiles, workers, ctas, sm_count, interleaved=True)
     even = q * sm_count
     even_tiles = cta_busiest_tiles(*tiles, even, grid_ctas(kernel, even, slots), sm_count)
-    if rule - even_tiles < EVEN_GRID_MIN_SAVED:
+    units = tiles[0] * tiles[1]
+    if units < EVEN_GRID_MIN_RUN * even:  # (short runs pay more for their crossings)
         return workers
-    return even if kernel.k != 5 or even_tiles <= EVEN_GRID_GAIN * rule else workers
+    if even_tiles <= EVEN_GRID_GAIN * rule:
+        return even
+    saves = kernel.k <= 3 and rule - even_tiles >= EVEN_GRID_MIN_SAVED
+    return even if saves else workers
 
 
 def cta_busiest_tiles(

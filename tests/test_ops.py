@@ -653,18 +653,20 @@ def test_even_grouped_splits_bounds():
         (8192, 28672, 2, 924, True),  # (224 -> 218: 28 SMs held 6 runs, 104 held 7)
         (8192, 28672, 3, 924, True),
         (28672, 8192, 5, 512, False),  # (k = 5: 224 -> 218 is 0.97 of the rule's)
+        (28672, 8192, 3, 528, True),
         (11008, 4096, 2, 512, False),  # (44 -> 42 K tiles: fewer than EVEN_GRID_MIN_SAVED)
-        (2048, 10240, 2, 320, False),  # (24 -> 20 K tiles)
+        (2048, 10240, 5, 396, True),  # (24 -> 20 K tiles: 0.83 of the rule's)
+        (1536, 8960, 3, 350, False),  # (runs of 4.2 K tiles)
         (2048, 5120, 3, 320, False),
         (256, 128, 3, 1, False),  # (a grid of no more runs than SMs)
     ],
 )
 def test_even_workers_at_m1(K, N, k, workers, crossing):
     """``ops.even_workers`` on a 132-SM H100 (M = 1, k != 4): where the rule's grid leaves
-    some SMs more K tiles than others and an even grid (q x SMs runs, across strips) saves
-    the busiest SM ``EVEN_GRID_MIN_SAVED`` tiles or more (at k = 5 also down to
-    ``EVEN_GRID_GAIN`` of its), the even grid, on the ``crossing`` variant. M = 2 keeps the
-    rule's grid and the variant without it."""
+    some SMs more K tiles than others and an even grid (q x SMs runs, across strips) cuts
+    the busiest SM's to ``EVEN_GRID_GAIN`` of its or (k = 2, 3) saves it
+    ``EVEN_GRID_MIN_SAVED`` tiles or more, the even grid, on the ``crossing`` variant. M = 2
+    keeps the rule's grid and the variant without it."""
     got, ctas = ops.gemv_grid(k, 1, torch.float16, N, K, 132)
     assert got == workers
     assert ops.gemv_crossing(1, k, N, (got, ctas), False) == crossing
