@@ -40,9 +40,10 @@ def main() -> None:
             run_gemv(A, qw, out, "s64")
     gemv_kernel_check.CTA_GROUPS = "auto"
     # The ``crossing`` variants (the ring runs on across a strip's end): runs of 3-4 K tiles
-    # over strips of 17 (37 workers), and strips of one K tile (every step a crossing).
+    # over strips of 17 (37 workers), strips of one K tile (every step a crossing), and CTAs
+    # of 2-3 consecutive workers (300 runs of 3-4 K tiles on 132 CTAs).
     for k in (2, 3, 4, 5):
-        for K, N, workers in ((1056, 1000, 37), (64, 1000, 5)):
+        for K, N, workers in ((1056, 1000, 37), (64, 1000, 5), (4096, 2048, 300)):
             qw = kbit_cute.quantize(torch.randn(N, K, device="cuda"), k)
             A = torch.randn(1, K, device="cuda", dtype=torch.float16)
             out = torch.empty(1, N, device="cuda", dtype=torch.float16)
