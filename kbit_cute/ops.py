@@ -531,14 +531,14 @@ def even_workers(kernel, workers: int, tiles: tuple[int, int], sm_count: int, re
     q = -(-workers // sm_count)  # the rule's most quads on one SM
     if q * sm_count > resident:
         return workers
-    slots = sm_count * kernel.ctas_per_sm
-    ctas = grid_ctas(kernel, workers, slots)
-    rule = cta_busiest_tiles(*tiles, workers, ctas, sm_count, interleaved=True)
     even = q * sm_count
-    even_tiles = cta_busiest_tiles(*tiles, even, grid_ctas(kernel, even, slots), sm_count)
-    units = tiles[0] * tiles[1]
-    if units < EVEN_GRID_MIN_RUN * even:  # (short runs pay more for their crossings)
+    if tiles[0] * tiles[1] < EVEN_GRID_MIN_RUN * even:  # (short runs pay more for crossings)
         return workers
+    slots = sm_count * kernel.ctas_per_sm
+    rule = cta_busiest_tiles(
+        *tiles, workers, grid_ctas(kernel, workers, slots), sm_count, interleaved=True
+    )
+    even_tiles = cta_busiest_tiles(*tiles, even, grid_ctas(kernel, even, slots), sm_count)
     if even_tiles <= EVEN_GRID_GAIN * rule:
         return even
     saves = kernel.k <= 3 and rule - even_tiles >= EVEN_GRID_MIN_SAVED
@@ -612,8 +612,8 @@ def _lookup_arg(kernel) -> str | None:
 
 def grid_ctas(kernel, workers: int, slots: int) -> int:
     """CTAs of a ``GemvKernel`` launch of ``workers`` on ``slots`` CTA slots (SMs x CTAs per
-    SM): the quads of a CTA take workers ctas apart, one CTA per slot, or as few as hold them
-    all."""
+    SM): one CTA per slot, or as few as hold them all (each CTA's quads take its workers:
+    ``cta_busiest_tiles`` says which)."""
     fewest = -(-workers // kernel.quads)
     if kernel.quads > 1 and kernel.k >= 3 and fewest >= FULL_CTAS_FILL * slots:
         # Workers that nearly fill every slot (e.g. 896 quads: 128 CTAs of 7, or 132 of

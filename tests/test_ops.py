@@ -757,7 +757,9 @@ def test_gemv_grid_refuses_runs_past_32_bits():
 def test_gemv_grid_takes_full_ctas_where_they_nearly_fill_the_gpu():
     """896 quads (8192x28672, 4 splits) on 132 SMs of 7 quads: 128 full CTAs for the
     DRAM-bound table kernels (k >= 3), every SM for k = 2 (bound by each SM's shared-memory
-    pipe) and for grids far from full (4096x14336: 448 quads)."""
+    pipe) and for grids far from full (4096x14336: 448 quads). (The library's M = 1 grid at
+    k = 2, 3 is the even one, 924 quads: ``test_even_workers_at_m1``.)"""
     for k, ctas in ((2, 132), (3, 128), (4, 128)):
-        assert ops.gemv_grid(k, 1, torch.float16, 28672, 8192, 132) == (896, ctas)
+        assert ops.gemv_grid(k, 1, torch.float16, 28672, 8192, 132, workers=896) == (896, ctas)
+    assert ops.gemv_grid(4, 1, torch.float16, 28672, 8192, 132) == (896, 128)
     assert ops.gemv_grid(4, 1, torch.float16, 14336, 4096, 132) == (448, 132)
