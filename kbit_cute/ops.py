@@ -554,18 +554,17 @@ def cta_busiest_tiles(
     the ``crossing`` variants) or, ``interleaved``, worker w to CTA w % ctas (the others), CTA
     c on SM c % sm_count. Exact where ``busiest_sm_tiles`` rounds every run up."""
     units = n_tiles * k_tiles
-    per_cta, longer = divmod(workers, ctas)
     sm_tiles = [0] * sm_count
-    for w in range(workers):
-        if interleaved:
-            c = w % ctas
-        else:  # (the inverse of ``cta_first``)
-            c = (
-                w // (per_cta + 1)
-                if w < longer * (per_cta + 1)
-                else longer + (w - longer * (per_cta + 1)) // per_cta
-            )
-        sm_tiles[c % sm_count] += (w + 1) * units // workers - w * units // workers
+    if interleaved:
+        for w in range(workers):
+            sm_tiles[w % ctas % sm_count] += (w + 1) * units // workers - w * units // workers
+    else:
+        per_cta, longer = divmod(workers, ctas)
+        first = 0
+        for c in range(ctas):
+            end = (c + 1) * per_cta + min(c + 1, longer)  # (``cta_first`` of CTA c + 1)
+            sm_tiles[c % sm_count] += end * units // workers - first * units // workers
+            first = end
     return max(sm_tiles)
 
 
