@@ -43,10 +43,10 @@ many workers as fit one wave (``ops.kernel_grid``), except at M = 1 where that l
 SMs a quad more than others (``ops.even_workers``): there the ``crossing`` variant, whose
 ring runs on across a strip's end, takes equal runs on every SM.
 The pair table (k <= 4) is shared by the quads of a CTA (up to 7, one CTA per SM). Workers
-interleave over the CTAs, except in the variants with CTA groups (M >= 2 where CTAs hold
-more than two workers, ``ops.gemv_cta_groups``): a CTA holds consecutive workers, and a
-strip's workers in one CTA sum through shared memory before the hand-over
-(``finish_cta_group``), so that an owner gathers a slot per CTA.
+interleave over the CTAs, except in the crossing variants and those with CTA groups (M >= 2
+where CTAs hold more than two workers, ``ops.gemv_cta_groups``): a CTA holds consecutive
+workers; with CTA groups a strip's workers in one CTA sum through shared memory before the
+hand-over (``finish_cta_group``), so that an owner gathers a slot per CTA.
 
 Launch (sm_90): programmatic dependent launch hides the launch behind the previous kernel's
 tail; meanwhile multi-quad CTAs only pull their first K tiles into L2 (harmless), then the
@@ -476,7 +476,8 @@ class GemvKernel:
         # The crossing variants hold consecutive workers too: their runs are of equal length
         # but for one tile, and the longer ones come every units % workers-th worker, a period
         # that can divide the CTA count (924 runs over 28672 units: 28 longer ones 33 apart on
-        # 132 CTAs, all in the same 33 SMs if interleaved).
+        # 132 CTAs, all in the same 33 SMs if interleaved). (Folding their branch into the
+        # grouped one below changed the grouped variants' compiled entry: kept apart.)
         grouped = False
         first_worker = Int32(0)
         if cutlass.const_expr(self.cta_groups):
@@ -1311,7 +1312,8 @@ class GemvKernel:
     def strip_owner(self, worker, strip, plan, groups):
         """(Whether ``worker`` sums split strip ``strip``, the slot of its part 0, the number
         of later parts). Per worker (``finish_strip``): the strip's worker in the CTA of
-        highest index (``handover_owner``), over slots of workers w_lo .. w_hi. Per CTA
+        highest index (``handover_owner``; w_hi where CTAs hold consecutive workers), over
+        slots of workers w_lo .. w_hi. Per CTA
         (``cta_args``, ``finish_cta_group``): the group's leader in the strip's last CTA c,
         where the strip began in an earlier CTA c_lo, over slots of CTAs c_lo .. c: 2 c_lo + 1
         if the strip starts inside CTA c_lo, else 2 c_lo, then 2 c' of each later CTA c'."""
@@ -1336,8 +1338,7 @@ class GemvKernel:
         else:
             w_lo = worker_of(strip * k_tiles, units, workers, wide)
             w_hi = worker_of(strip * k_tiles + k_tiles - 1, units, workers, wide)
-            # (consecutive workers, the crossing variants': w_hi is in the highest CTA)
-            owner = w_hi if cutlass.const_expr(self.crossing) else handover_owner(w_lo, w_hi, ctas)
+            owner = handover_owner(w_lo, w_hi, ctas, consecutive=self.crossing)
             if w_lo != w_hi and owner == worker:
                 owns = Int32(1)
                 first_slot = self.first_slot(w_lo, strip, plan)
