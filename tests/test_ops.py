@@ -577,6 +577,11 @@ def test_cta_busiest_tiles_counts_each_sms_ctas():
     # 4096x14336: 448 runs of 16 tiles, 52 CTAs of 4; 784 runs of 9-10 tiles, 5-6 per CTA
     assert ops.cta_busiest_tiles(112, 64, 448, 132, 132) == 64
     assert ops.cta_busiest_tiles(112, 64, 784, 132, 132) == 55
+    # 8192x28672, 924 runs over 28672 units: the 28 runs one tile longer come 33 workers
+    # apart, so interleaved over 132 CTAs they all land on the same SMs
+    assert ops.cta_busiest_tiles(224, 128, 924, 132, 132, interleaved=True) == 224
+    assert ops.cta_busiest_tiles(224, 128, 924, 132, 132) == 218
+    assert ops.cta_busiest_tiles(2, 3, 3, 2, 2, interleaved=True) == 4  # (workers 0, 2 on SM 0)
 
 
 @pytest.mark.parametrize(
