@@ -20,8 +20,8 @@ more than M = 1. What is left per weight is the dequantization into fp16/bf16 pa
   ``pair5_high_bytes``), or by warp shuffles from a table in registers (small k = 5
   weights, sm_80; register lookups also serve k <= 4 in single-quad CTAs, e.g. the grouped
   MoE kernel), times the block's absmax (one 2-wide multiply; the E4M4 byte becomes a
-  half2 scale with one IMAD, ``absmax_x2``). At M = 1, k = 3..5 (table lookups) the scale
-  comes after the mma instead: its activation columns 2 m + b hold row m
+  half2 scale with one IMAD, ``absmax_x2``). At M <= 4, k = 3, 4 and M = 1, k = 5 (table
+  lookups) the scale comes after the mma instead: its activation columns 2 m + b hold row m
   masked to block b, and each tile's results are folded with fp32 block scales
   (``split_blocks``);
 * mma.sync pairs K positions to registers in a fixed pattern; since the dot product does
@@ -298,14 +298,16 @@ class GemvKernel:
         if not GemvKernel.lookup_fits(self.lookup, k):
             raise ValueError(f"GEMV lookup {self.lookup!r} does not serve k={k}")
         self.byte_tables = self.lookup == "byte_tables"
-        # M = 1, k = 3, 4: the block scales go after the mma (``mma_tile``), not onto every
-        # weight pair: 14-15 instructions per K tile less, 2-5% faster at M = 1 (A/B, five
-        # shapes). Not taken: k = 2 (its quads cost two multiplies per shared-memory load:
-        # 10 instructions more), k = 5 with shuffles and M = 2..4 (no faster; M = 4 k = 3, 5
-        # 2-3% slower), sm_80 (k = 3 spilled at its 72-register bound). k = 5's pair table
-        # takes it like k = 3, 4 (not measured without: M = 1 and 2 ran within 1% there).
+        # M <= 4, k = 3, 4 (and k = 5's pair table at M = 1): the block scales go after the
+        # mma (``mma_tile``), not onto every weight pair: 14-16 instructions per K tile less
+        # (k = 3 M = 4 210 -> 195). M = 1: 2-5% faster (session 19); M = 2, 4 with the CTA
+        # groups of session 31: k = 3 0.90-0.99x, k = 4 0.97-1.00x (A/B, 10 shapes, session
+        # 36). Not taken: k = 2 (its quads cost two multiplies per shared-memory load: 10
+        # instructions more), k = 5 at M = 2, 4 (0.98-1.03x, mostly slower), k = 5 with
+        # shuffles, sm_80 (k = 3 spilled at its 72-register bound). k = 5's pair table at
+        # M = 1 takes it (not measured without: M = 1 and 2 ran within 1% there).
         self.split_blocks = (
-            m == 1 and (k in (3, 4) or self.lookup == "pair_table5")
+            (m <= 4 and k in (3, 4) or m == 1 and self.lookup == "pair_table5")
             and target_arch_family() == "sm_90"
         )  # fmt: skip
         self.table = self.lookup in TABLE_ENTRY_BYTES  # a shared-memory table per CTA
