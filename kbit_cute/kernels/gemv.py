@@ -182,6 +182,13 @@ REDUCE_LOADS = 32
 # 1.055. m = 1 at 16, m = 8 at 2: earlier measurements (halving m = 1 slowed 2048x512 k = 4
 # from 2.71 to 2.90 us). m = 2 at 16 spills on sm_90a.
 POLL_WORKERS = {1: 16, 2: 12, 4: 8, 8: 2}
+# The crossing variants' runs by quad (``GemvKernel.skew_shift``), per k: how much more of its
+# CTA's K tiles each quad takes than the quad below it, as a share of the mean run. With equal
+# runs a CTA's quads end in order, the highest first (the warp schedulers give the higher
+# quads' warps more issue slots; 8192x28672 k = 3: 0.42 us a quad of 7, k = 2 0.17). k = 3 at
+# 0.008 / 0.013 / 0.02 (us, 8192x28672, 28672x8192, 4096x14336): 37.97 / 37.77 / 37.58, 38.27
+# / 38.12 / 37.99, 12.00 / 11.90 / 11.85. k = 2 spilled with it (72 registers).
+QUAD_SKEW = {3: 0.02}
 # An owner with at most this many slots takes rounds this wide instead: a wide round costs
 # its predicated loads and tests even where few slots are real (M = 4, k = 4, us, 4 per
 # round / 8 / this: 512x2048 2.82 / 2.98 / 2.86, 2048x8192 6.06 / 6.21 / 6.11; over 8
@@ -273,6 +280,11 @@ class GemvKernel:
         # -> 2.98 us, 4096x4096 M = 4 k = 4 5.92 -> 6.32; session 34), though the K loops kept
         # their instruction counts.
         self.crossing = crossing
+        # The crossing variants' skew (``QUAD_SKEW``) in 1/65536 of the mean run per q (n - q);
+        # a quad's shift stays under half a run (``skewed_worker`` relies on it).
+        skew = QUAD_SKEW.get(k, 0.0) if crossing else 0.0
+        assert skew * self.MAX_QUADS**2 / 8 < 0.5, f"QUAD_SKEW[{k}] = {skew} shifts whole runs"
+        self.skew16 = round(skew / 2 * 65536)
         # K tiles in flight per warp, in its shared-memory ring (see STAGES).
         self.stages = stages or STAGES[k]
         # How indices become values. Issue slots and the integer ALU pipe (half the issue
@@ -495,8 +507,11 @@ class GemvKernel:
             worker = first_worker + quad
             busy = worker < cta_first(cta + 1, workers, ctas, per_cta)
         units = n_tiles * k_tiles
-        u_begin = run_start(worker, units, workers)
-        u_end = run_start(worker + 1, units, workers)
+        if cutlass.const_expr(self.crossing):
+            u_begin, u_end = self.skewed_run(worker, units, workers, per_cta)
+        else:
+            u_begin = run_start(worker, units, workers)
+            u_end = run_start(worker + 1, units, workers)
         nt_first = u_begin // k_tiles
         rows = (Int32(0), M)
         # The launch overlaps the previous kernel's tail (programmatic dependent launch):
@@ -553,7 +568,10 @@ class GemvKernel:
                     self.finish_cta_group(acc, epi, mWs, ctx[5], nt, wn, t, worker, plan, groups)
                 else:
                     slot = 2 * worker + Int32(nt != nt_first)
-                    self.finish_strip(acc, epi, mWs, pCounters, nt, wn, t, slot, plan)
+                    whole = None
+                    if cutlass.const_expr(self.crossing):  # (the run covered the strip)
+                        whole = Int32(kt_begin == 0) * Int32(kt_end == k_tiles)
+                    self.finish_strip(acc, epi, mWs, pCounters, nt, wn, t, slot, plan, whole)
             if cutlass.const_expr(self.POLLED_HANDOVER):
                 # The next launch may come in once the K loops are done, before the
                 # split-K gather: its CTAs land and prefetch while the owners wait for the
@@ -1173,18 +1191,27 @@ class GemvKernel:
         return prmt(act[ea // 2], act[eb // 2], pair_selector(ea % 2, eb % 2))
 
     @cute.jit
-    def finish_strip(self, acc, epi, mWs, pCounters, strip, wn, t, slot, plan):
+    def finish_strip(self, acc, epi, mWs, pCounters, strip, wn, t, slot, plan, whole=None):
         """Output of the warp's strip (32 columns of schedule strip ``strip``) after its K
         run: stored if the run covered all K (``store_fragment``), else its fp32 partial goes
         to workspace slot ``slot`` and the strip's workers' partials are summed in worker
         order (bit-identical run to run) and stored (``store_columns``). ``epi``: what the
-        stores need; ``outputs``: which column and row each accumulator is.
+        stores need; ``outputs``: which column and row each accumulator is. ``whole`` (the
+        crossing variants): whether the run covered the strip, which the run itself tells
+        (their runs are skewed: ``skew_shift``).
 
         Who sums: with ``POLLED_HANDOVER`` the strip's owner, after its strips
         (``gather_owned_strips``); otherwise the last worker to count itself in on the
         strip's counter, here."""
         units, workers, k_tiles = plan
         lane = cute.arch.lane_idx()
+        if cutlass.const_expr(whole is not None):
+            assert self.POLLED_HANDOVER
+            if whole != 0:
+                self.store_fragment(acc, epi, wn, t)
+            else:
+                self.write_slot(acc, mWs, wn, t, slot)
+            return
         # Workers whose runs meet this strip: w_lo holds its first K tile, w_hi its last.
         wide = self.WIDE_RUNS
         w_lo = worker_of(strip * k_tiles, units, workers, wide)
@@ -1286,6 +1313,61 @@ class GemvKernel:
         return 2 * w_lo + 1 - Int32(starts_here)
 
     @cute.jit
+    def skew_unit(self, units, workers) -> Int32:
+        """The crossing variants' shift per q (n - q) (``skew_shift``), in 1/65536 K tiles:
+        ``QUAD_SKEW`` / 2 x the mean run (``run_start``'s arithmetic, once)."""
+        return run_start(self.skew16, units, workers, self.WIDE_RUNS)
+
+    @staticmethod
+    def skew_shift(q, n, unit) -> Int32:
+        """How many K tiles before its equal run's start quad q of a CTA's n (q = n: the next
+        CTA's first) starts in the crossing variants: about skew / 2 x the mean run x q (n -
+        q), so that quad q takes about 1 + skew (q - (n - 1) / 2) mean runs and the CTA's
+        block of K tiles stays where it was (q = 0, n). Small next to a run (at most 0.12 of
+        it at skew 0.02 and 7 quads), so each unit's worker is its equal run's or the next
+        (``skewed_worker``)."""
+        return (q * cutlass.max(n - q, 0) * unit + (1 << 15)) >> 16
+
+    @cute.jit
+    def skewed_run(self, worker, units, workers, per_cta):
+        """(First unit, end) of this warp's run in the crossing variants (its CTA's quad)."""
+        u_begin = run_start(worker, units, workers, self.WIDE_RUNS)
+        u_end = run_start(worker + 1, units, workers, self.WIDE_RUNS)
+        if cutlass.const_expr(self.skew16 > 0):
+            cta, _, _ = cute.arch.block_idx()
+            ctas, _, _ = cute.arch.grid_dim()
+            quad = cute.arch.warp_idx() // WARPS
+            n = cta_first(cta + 1, workers, ctas, per_cta) - cta_first(cta, workers, ctas, per_cta)
+            unit = self.skew_unit(units, workers)
+            u_begin = u_begin - self.skew_shift(quad, n, unit)
+            u_end = u_end - self.skew_shift(quad + 1, n, unit)
+        return u_begin, u_end
+
+    @cute.jit
+    def skewed_start(self, w, units, workers, per_cta, unit) -> Int32:
+        """First unit of any worker w's run in the crossing variants (w = workers: units)."""
+        u = run_start(w, units, workers, self.WIDE_RUNS)
+        if cutlass.const_expr(self.skew16 > 0):
+            ctas, _, _ = cute.arch.grid_dim()
+            c = cta_of_worker(w, workers, ctas, per_cta)
+            first = cta_first(c, workers, ctas, per_cta)
+            n = cta_first(c + 1, workers, ctas, per_cta) - first
+            u = u - self.skew_shift(w - first, n, unit)
+        return u
+
+    @cute.jit
+    def skewed_worker(self, u, units, workers, per_cta, unit):
+        """(The worker whose run holds unit u in the crossing variants, its run's first
+        unit): the equal runs' worker w, or w + 1 where w + 1's run starts earlier."""
+        w = worker_of(u, units, workers, self.WIDE_RUNS)
+        start = self.skewed_start(w, units, workers, per_cta, unit)
+        if cutlass.const_expr(self.skew16 > 0):
+            next_start = self.skewed_start(w + 1, units, workers, per_cta, unit)
+            if u >= next_start:
+                w, start = w + 1, next_start
+        return w, start
+
+    @cute.jit
     def gather_owned_strips(self, worker, epi, mWs, wn, plan, groups):
         """The polled hand-over's sums: of the worker's first and last strip, those it owns
         (``strip_owner``). After all its strips, so that no K run waits and the K loop's
@@ -1296,6 +1378,9 @@ class GemvKernel:
         ``epi``: (scale pointer, bias, out, has_bias); ``groups``: ``finish_cta_group``'s."""
         units, workers, k_tiles = plan
         pScale, mBias, mOut, has_bias = epi
+        if cutlass.const_expr(self.crossing):
+            self.gather_owned_crossing(worker, epi, mWs, wn, plan, groups[1])
+            return
         wide = self.WIDE_RUNS
         first = run_start(worker, units, workers, wide) // k_tiles
         last = (run_start(worker + 1, units, workers, wide) - 1) // k_tiles
@@ -1311,11 +1396,40 @@ class GemvKernel:
                 self.gather_strip(mWs, epi_strip, wn, first_slot, later)
 
     @cute.jit
+    def gather_owned_crossing(self, worker, epi, mWs, wn, plan, per_cta):
+        """``gather_owned_strips`` of the crossing variants: with consecutive workers per CTA
+        a split strip's owner is w_hi, the worker that holds its last K tile (in the CTA of
+        highest index, as ``handover_owner`` wants), which its own run tells; only owners look
+        for the strip's first worker w_lo (``skewed_worker``). Cheaper than the per-strip
+        inverses of ``strip_owner`` for every warp: the warps that finish early run this
+        beside the others' K loops (2-5% on the crossing grids, session 36)."""
+        units, workers, k_tiles = plan
+        pScale, mBias, mOut, has_bias = epi
+        u_begin, u_end = self.skewed_run(worker, units, workers, per_cta)
+        first = u_begin // k_tiles
+        last = (u_end - 1) // k_tiles
+        for i in cutlass.range(1 + Int32(last != first), unroll=1):
+            strip = first + i * (last - first)
+            s_lo = strip * k_tiles
+            s_end = s_lo + k_tiles
+            # holds the strip's last tile, and the run starts after its first: split
+            if u_begin < s_end and u_end >= s_end and u_begin > s_lo:
+                unit = Int32(0)
+                if cutlass.const_expr(self.skew16 > 0):
+                    unit = self.skew_unit(units, workers)
+                w_lo, lo_start = self.skewed_worker(s_lo, units, workers, per_cta, unit)
+                # (``first_slot``: w_lo's slot 2 w_lo if its run starts in this strip)
+                first_slot = 2 * w_lo + 1 - Int32(lo_start >= s_lo)
+                scale = cute.make_tensor(pScale, cute.make_layout(1))[0]
+                epi_strip = (scale, mBias, mOut, has_bias, strip)
+                self.gather_strip(mWs, epi_strip, wn, first_slot, worker - w_lo)
+
+    @cute.jit
     def strip_owner(self, worker, strip, plan, groups):
         """(Whether ``worker`` sums split strip ``strip``, the slot of its part 0, the number
         of later parts). Per worker (``finish_strip``): the strip's worker in the CTA of
         highest index (``handover_owner``; w_hi where CTAs hold consecutive workers), over
-        slots of workers w_lo .. w_hi. Per CTA
+        slots of workers w_lo .. w_hi (the crossing variants: ``gather_owned_crossing``). Per CTA
         (``cta_args``, ``finish_cta_group``): the group's leader in the strip's last CTA c,
         where the strip began in an earlier CTA c_lo, over slots of CTAs c_lo .. c: 2 c_lo + 1
         if the strip starts inside CTA c_lo, else 2 c_lo, then 2 c' of each later CTA c'."""
@@ -1340,7 +1454,7 @@ class GemvKernel:
         else:
             w_lo = worker_of(strip * k_tiles, units, workers, wide)
             w_hi = worker_of(strip * k_tiles + k_tiles - 1, units, workers, wide)
-            owner = handover_owner(w_lo, w_hi, ctas, consecutive=self.crossing)
+            owner = handover_owner(w_lo, w_hi, ctas)
             if w_lo != w_hi and owner == worker:
                 owns = Int32(1)
                 first_slot = self.first_slot(w_lo, strip, plan)
