@@ -7,6 +7,7 @@ import torch
 
 import kbit_cute
 from kbit_cute import ops
+from kbit_cute.kernels.gemv import QUAD_SKEW
 
 pytestmark = pytest.mark.gpu
 KS = (2, 3, 4, 5)
@@ -203,18 +204,22 @@ def test_gemv_runs_across_strips_keep_the_ring_running(k, stages, lookup, dtype)
     cross strips: strips of one K tile (K = 64: every step after the first a crossing), of
     two (K = 128: under the ring's depth), of three (K = 160), runs over several strips (5
     workers), partial strips of 2-3 workers (37), the even grid ``ops.even_workers`` gives
-    4096x14336 (528 workers, runs of 13-14 of its 64 K tiles). Bit-identical to the variant
-    that drains and refills the ring at each crossing (the same sums in the same order),
-    within the reference's tolerance; the split slots left empty."""
+    4096x14336 (528 workers, runs of 13-14 of its 64 K tiles; 924 workers, 7 quads a CTA).
+    Bit-identical to the variant that drains and refills the ring at each crossing (the same
+    sums in the same order) where the runs are equal, within the reference's tolerance; the
+    split slots left empty. Where ``gemv.QUAD_SKEW`` shifts them (k = 3 on 4096x14336: by up
+    to a K tile), its own repeat bit-identical instead."""
     from perf import gemv_kernel_check
     from perf.gemv_kernel_check import run_gemv
 
     for K, N, workers in [(64, 512, 3), (64, 1000, 5), (128, 1000, 37), (160, 200, 4),
-                          (1056, 1000, 5), (1056, 1000, 37), (4096, 14336, 528)]:  # fmt: skip
+                          (1056, 1000, 5), (1056, 1000, 37), (4096, 14336, 528),
+                          (4096, 14336, 924)]:  # fmt: skip
         qw = kbit_cute.quantize(torch.randn(N, K, device="cuda") * 0.05, k)
         A = torch.randn(1, K, device="cuda", dtype=dtype)
+        skewed = QUAD_SKEW.get(k, 0) > 0 and K == 4096
         got = []
-        for crossing in (True, False):
+        for crossing in (True, not skewed):
             out = torch.full((1, N), float("nan"), device="cuda", dtype=dtype)
             run_gemv(A, qw, out, workers, stages, lookup, crossing=crossing)
             got.append(out)
