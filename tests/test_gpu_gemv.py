@@ -219,7 +219,7 @@ def test_gemv_runs_across_strips_keep_the_ring_running(k, stages, lookup, dtype)
         A = torch.randn(1, K, device="cuda", dtype=dtype)
         skewed = QUAD_SKEW.get(k, 0) > 0 and K == 4096
         got = []
-        for crossing in (True, not skewed):
+        for crossing in (True, skewed):  # (skewed: its own repeat)
             out = torch.full((1, N), float("nan"), device="cuda", dtype=dtype)
             run_gemv(A, qw, out, workers, stages, lookup, crossing=crossing)
             got.append(out)
