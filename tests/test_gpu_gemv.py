@@ -207,8 +207,8 @@ def test_gemv_runs_across_strips_keep_the_ring_running(k, stages, lookup, dtype)
     4096x14336 (528 workers, runs of 13-14 of its 64 K tiles; 924 workers, 7 quads a CTA).
     Bit-identical to the variant that drains and refills the ring at each crossing (the same
     sums in the same order) where the runs are equal, within the reference's tolerance; the
-    split slots left empty. Where ``gemv.QUAD_SKEW`` may shift them (k = 2, 3 on 4096x14336:
-    by up to a K tile), its own repeat bit-identical instead."""
+    split slots left empty. Where ``gemv.QUAD_SKEW`` shifts them (k = 3 on 4096x14336: by up
+    to a K tile), its own repeat bit-identical instead."""
     from perf import gemv_kernel_check
     from perf.gemv_kernel_check import run_gemv
 

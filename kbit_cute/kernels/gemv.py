@@ -187,9 +187,8 @@ POLL_WORKERS = {1: 16, 2: 12, 4: 8, 8: 2}
 # runs a CTA's quads end in order, the highest first (the warp schedulers give the higher
 # quads' warps more issue slots; 8192x28672 k = 3: 0.42 us a quad of 7, k = 2 0.17). k = 3 at
 # 0.008 / 0.013 / 0.02 (us, 8192x28672, 28672x8192, 4096x14336): 37.97 / 37.77 / 37.58, 38.27
-# / 38.12 / 37.99, 12.00 / 11.90 / 11.85. k = 2 at 0.013: its quads' K loops ended within
-# 0.4 us of each other instead of 1.1 (per-warp timeline, session 36).
-QUAD_SKEW = {2: 0.013, 3: 0.02}
+# / 38.12 / 37.99, 12.00 / 11.90 / 11.85. k = 2 spilled with it (72 registers).
+QUAD_SKEW = {3: 0.02}
 # An owner with at most this many slots takes rounds this wide instead: a wide round costs
 # its predicated loads and tests even where few slots are real (M = 4, k = 4, us, 4 per
 # round / 8 / this: 512x2048 2.82 / 2.98 / 2.86, 2048x8192 6.06 / 6.21 / 6.11; over 8
@@ -1340,9 +1339,8 @@ class GemvKernel:
             quad = cute.arch.warp_idx() // WARPS
             n = cta_first(cta + 1, workers, ctas, per_cta) - cta_first(cta, workers, ctas, per_cta)
             unit = self.skew_unit(units, workers)
-            # (uniform registers: in vector ones k = 2 spilled at its 72-register bound)
-            u_begin = cute.arch.make_warp_uniform(u_begin - self.skew_shift(quad, n, unit))
-            u_end = cute.arch.make_warp_uniform(u_end - self.skew_shift(quad + 1, n, unit))
+            u_begin = u_begin - self.skew_shift(quad, n, unit)
+            u_end = u_end - self.skew_shift(quad + 1, n, unit)
         return u_begin, u_end
 
     @cute.jit
