@@ -187,7 +187,9 @@ POLL_WORKERS = {1: 16, 2: 12, 4: 8, 8: 2}
 # runs a CTA's quads end in order, the highest first (the warp schedulers give the higher
 # quads' warps more issue slots; 8192x28672 k = 3: 0.42 us a quad of 7, k = 2 0.17). k = 3 at
 # 0.008 / 0.013 / 0.02 (us, 8192x28672, 28672x8192, 4096x14336): 37.97 / 37.77 / 37.58, 38.27
-# / 38.12 / 37.99, 12.00 / 11.90 / 11.85. k = 2 spilled with it (72 registers).
+# / 38.12 / 37.99, 12.00 / 11.90 / 11.85. k = 2 spilled with it (72 registers) unless the run
+# bounds went to uniform registers (``cute.arch.make_warp_uniform``), and then at 0.013 ran
+# 0.98-1.03x of equal runs (k = 3 so 1.00-1.02x of this): k = 2 keeps equal runs.
 QUAD_SKEW = {3: 0.02}
 # An owner with at most this many slots takes rounds this wide instead: a wide round costs
 # its predicated loads and tests even where few slots are real (M = 4, k = 4, us, 4 per
