@@ -156,3 +156,26 @@ def test_codebook_pair_selector_picks_two_entries():
         for j in range(4):
             got = _prmt(lo, hi, dh.codebook_pair_selector(i, j))
             assert got == entries[i] | entries[j] << 16, (i, j)
+
+
+def test_gemv_quad_skew_stays_under_half_a_run(monkeypatch):
+    """The crossing variants' runs skewed by quad (``gemv.QUAD_SKEW``): quad q of n starts
+    ``skew_shift`` K tiles early, none at a CTA's ends (q = 0, n), the same for q and n - q,
+    and under half a mean run, so that a unit's worker is its equal run's or the next
+    (``skewed_worker``); a skew that would shift more is refused."""
+    from kbit_cute.kernels import gemv
+
+    kern = gemv.GemvKernel(3, 1, None, crossing=True)
+    assert kern.skew16 == round(gemv.QUAD_SKEW[3] / 2 * 65536) > 0
+    assert gemv.GemvKernel(3, 1, None).skew16 == 0  # only the crossing variants
+    for units, workers in [(28672, 924), (7168, 528), (2048, 264), (1280, 1000), (64, 5)]:
+        mean = units / workers
+        unit = kern.skew16 * units // workers  # (``skew_unit``)
+        for n in range(1, kern.quads + 1):
+            shifts = [gemv.GemvKernel.skew_shift(q, n, unit) for q in range(n + 1)]
+            assert shifts[0] == shifts[n] == 0
+            assert shifts == shifts[::-1]
+            assert max(shifts) < max(0.5 * mean, 1)
+    monkeypatch.setitem(gemv.QUAD_SKEW, 3, 0.2)
+    with pytest.raises(ValueError, match="QUAD_SKEW"):
+        gemv.GemvKernel(3, 1, None, crossing=True)

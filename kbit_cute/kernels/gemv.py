@@ -282,10 +282,8 @@ class GemvKernel:
         # -> 2.98 us, 4096x4096 M = 4 k = 4 5.92 -> 6.32; session 34), though the K loops kept
         # their instruction counts.
         self.crossing = crossing
-        # The crossing variants' skew (``QUAD_SKEW``) in 1/65536 of the mean run per q (n - q);
-        # a quad's shift stays under half a run (``skewed_worker`` relies on it).
+        # The crossing variants' skew (``QUAD_SKEW``) in 1/65536 of the mean run per q (n - q).
         skew = QUAD_SKEW.get(k, 0.0) if crossing else 0.0
-        assert skew * self.MAX_QUADS**2 / 8 < 0.5, f"QUAD_SKEW[{k}] = {skew} shifts whole runs"
         self.skew16 = round(skew / 2 * 65536)
         # K tiles in flight per warp, in its shared-memory ring (see STAGES).
         self.stages = stages or STAGES[k]
@@ -349,6 +347,9 @@ class GemvKernel:
             elif target_arch_family() == "sm_90":
                 quads = self.REGISTER_LOOKUP_QUADS
         self.quads = quads
+        # A quad's skew shift stays under half a run (``skewed_worker`` relies on it).
+        if skew * quads**2 / 8 >= 0.5:
+            raise ValueError(f"GEMV: QUAD_SKEW[{k}] = {skew} with {quads} quads shifts whole runs")
         self.warps = WARPS * quads
         self.threads = 32 * self.warps
         # Registers per thread, and whether the launch bounds them. Quads sharing a pair
