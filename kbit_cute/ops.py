@@ -634,17 +634,17 @@ def kernel_grid(kernel, N: int, K: int, sm_count: int, workers: int | None = Non
     from .kernels.gemv import MAX_A_BYTES
 
     slots = sm_count * kernel.ctas_per_sm
-    n_tiles = -(-N // 128)
-    units = n_tiles * -(-K // 64)
+    n_tiles, k_tiles = -(-N // 128), -(-K // 64)
+    units = n_tiles * k_tiles
     if not workers:
         resident = slots * kernel.quads  # quads of one wave
         splits = gemv_splits(N, K, sm_count, kernel.m)
-        splits = balanced_splits(n_tiles, -(-K // 64), splits, sm_count, resident, kernel.m)
-        splits = max(splits, grouped_splits(kernel, N, -(-K // 64), sm_count))
+        splits = balanced_splits(n_tiles, k_tiles, splits, sm_count, resident, kernel.m)
+        splits = max(splits, grouped_splits(kernel, N, k_tiles, sm_count))
         splits = max(1, min(splits, resident // n_tiles))
-        splits = even_grouped_splits(kernel, n_tiles, -(-K // 64), splits, sm_count)
+        splits = even_grouped_splits(kernel, n_tiles, k_tiles, splits, sm_count)
         workers = n_tiles * splits
-        workers = even_workers(kernel, workers, (n_tiles, -(-K // 64)), sm_count, resident)
+        workers = even_workers(kernel, workers, (n_tiles, k_tiles), sm_count, resident)
     workers = min(workers, units)
     ctas = grid_ctas(kernel, workers, slots)
     # Every quad computes its run bounds, idle ones too (worker index up to ctas x quads).

@@ -721,12 +721,11 @@ SLOT_POLL_NS = 128  # back-off between polls of an empty slot (a poll's L2 round
 @cute.jit
 def handover_owner(w_lo: Int32, w_hi: Int32, ctas: Int32) -> Int32:
     """The worker that sums a split strip (workers w_lo..w_hi; worker w runs in CTA
-    w % ctas): the first in the CTA of highest index (where CTAs hold blocks of consecutive
-    workers instead, w_hi). It waits only for CTAs of lower index or its own, which the
-    GPU dispatched no later than its own (the order CUTLASS's stream-K fix-up and CUB's
-    decoupled look-back rely on), so the wait cannot deadlock."""
-    owner = w_hi
+    w % ctas): the first in the CTA of highest index. It waits only for CTAs of lower index
+    or its own, which the GPU dispatched no later than its own (the order CUTLASS's stream-K
+    fix-up and CUB's decoupled look-back rely on), so the wait cannot deadlock."""
     to_last_cta = ctas - 1 - w_lo % ctas
+    owner = w_hi
     if w_hi - w_lo > to_last_cta:  # the workers wrap past the grid's last CTA
         owner = w_lo + to_last_cta
     return owner

@@ -189,7 +189,7 @@ POLL_WORKERS = {1: 16, 2: 12, 4: 8, 8: 2}
 # 0.008 / 0.013 / 0.02 (us, 8192x28672, 28672x8192, 4096x14336): 37.97 / 37.77 / 37.58, 38.27
 # / 38.12 / 37.99, 12.00 / 11.90 / 11.85. k = 2 spilled with it (72 registers) unless the run
 # bounds went to uniform registers (``cute.arch.make_warp_uniform``), and then at 0.013 ran
-# 0.98-1.03x of equal runs (k = 3 so 1.00-1.02x of this): k = 2 keeps equal runs.
+# 0.98-1.03x of equal runs (k = 3 with uniform bounds: 1.00-1.02x): k = 2 keeps equal runs.
 QUAD_SKEW = {3: 0.02}
 # An owner with at most this many slots takes rounds this wide instead: a wide round costs
 # its predicated loads and tests even where few slots are real (M = 4, k = 4, us, 4 per
@@ -1409,6 +1409,9 @@ class GemvKernel:
         units, workers, k_tiles = plan
         pScale, mBias, mOut, has_bias = epi
         u_begin, u_end = self.skewed_run(worker, units, workers, per_cta)
+        unit = Int32(0)
+        if cutlass.const_expr(self.skew16 > 0):
+            unit = self.skew_unit(units, workers)
         first = u_begin // k_tiles
         last = (u_end - 1) // k_tiles
         for i in cutlass.range(1 + Int32(last != first), unroll=1):
@@ -1417,9 +1420,6 @@ class GemvKernel:
             s_end = s_lo + k_tiles
             # holds the strip's last tile, and the run starts after its first: split
             if u_begin < s_end and u_end >= s_end and u_begin > s_lo:
-                unit = Int32(0)
-                if cutlass.const_expr(self.skew16 > 0):
-                    unit = self.skew_unit(units, workers)
                 w_lo, lo_start = self.skewed_worker(s_lo, units, workers, per_cta, unit)
                 # (``first_slot``: w_lo's slot 2 w_lo if its run starts in this strip)
                 first_slot = 2 * w_lo + 1 - Int32(lo_start >= s_lo)
@@ -1431,8 +1431,8 @@ class GemvKernel:
     def strip_owner(self, worker, strip, plan, groups):
         """(Whether ``worker`` sums split strip ``strip``, the slot of its part 0, the number
         of later parts). Per worker (``finish_strip``): the strip's worker in the CTA of
-        highest index (``handover_owner``; w_hi where CTAs hold consecutive workers), over
-        slots of workers w_lo .. w_hi (the crossing variants: ``gather_owned_crossing``). Per CTA
+        highest index (``handover_owner``), over slots of workers w_lo .. w_hi (the crossing
+        variants: ``gather_owned_crossing``). Per CTA
         (``cta_args``, ``finish_cta_group``): the group's leader in the strip's last CTA c,
         where the strip began in an earlier CTA c_lo, over slots of CTAs c_lo .. c: 2 c_lo + 1
         if the strip starts inside CTA c_lo, else 2 c_lo, then 2 c' of each later CTA c'."""
@@ -1457,8 +1457,7 @@ class GemvKernel:
         else:
             w_lo = worker_of(strip * k_tiles, units, workers, wide)
             w_hi = worker_of(strip * k_tiles + k_tiles - 1, units, workers, wide)
-            owner = handover_owner(w_lo, w_hi, ctas)
-            if w_lo != w_hi and owner == worker:
+            if w_lo != w_hi and handover_owner(w_lo, w_hi, ctas) == worker:
                 owns = Int32(1)
                 first_slot = self.first_slot(w_lo, strip, plan)
                 later = w_hi - w_lo
