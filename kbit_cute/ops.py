@@ -495,7 +495,10 @@ EVEN_GRID_MIN_RUN = 6
 
 def even_grid_applies(m_bucket: int, k: int) -> bool:
     """Whether ``even_workers`` may give launches of this rows bucket and k a grid across
-    strips (and so the ``crossing`` variant, which sm_90 ships for these only)."""
+    strips (and so the ``crossing`` variant, which sm_90 ships for these only). At M = 2, 4
+    (k = 2, 3) the crossing variants are correct but their even grids of 4-7 quads per SM
+    ran 0.96-1.05x of the CTA groups' grids, within the 5% the same grid moves call to call
+    (session 37): not taken."""
     from .kernels.device_helpers import target_arch_family
 
     return m_bucket == 1 and k != 4 and target_arch_family() == "sm_90"

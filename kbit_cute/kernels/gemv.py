@@ -190,6 +190,8 @@ POLL_WORKERS = {1: 16, 2: 12, 4: 8, 8: 2}
 # / 38.12 / 37.99, 12.00 / 11.90 / 11.85. k = 2 spilled with it (72 registers) unless the run
 # bounds went to uniform registers (``cute.arch.make_warp_uniform``), and then at 0.013 ran
 # 0.98-1.03x of equal runs (k = 3 with uniform bounds: 1.00-1.02x): k = 2 keeps equal runs.
+# The CTA groups' runs (M = 2..8, k = 3) skewed the same way inside each strip: 0.98 / 0.99x
+# at M = 2 / 4 on 8192x28672, 1.01-1.06x on five smaller shapes (session 37): equal runs.
 QUAD_SKEW = {3: 0.02}
 # An owner with at most this many slots takes rounds this wide instead: a wide round costs
 # its predicated loads and tests even where few slots are real (M = 4, k = 4, us, 4 per
