@@ -513,7 +513,8 @@ class GemvKernel:
             busy = worker < cta_first(cta + 1, workers, ctas, per_cta)
         units = n_tiles * k_tiles
         if cutlass.const_expr(self.crossing):
-            u_begin, u_end = self.skewed_run(worker, units, workers, per_cta)
+            unit = self.skew_unit(units, workers)
+            u_begin, u_end = self.skewed_run(worker, units, workers, per_cta, unit)
         else:
             u_begin = run_start(worker, units, workers)
             u_end = run_start(worker + 1, units, workers)
@@ -1320,8 +1321,11 @@ class GemvKernel:
     @cute.jit
     def skew_unit(self, units, workers) -> Int32:
         """The crossing variants' shift per q (n - q) (``skew_shift``), in 1/65536 K tiles:
-        ``QUAD_SKEW`` / 2 x the mean run (``run_start``'s arithmetic, once)."""
-        return run_start(self.skew16, units, workers, self.WIDE_RUNS)
+        ``QUAD_SKEW`` / 2 x the mean run (``run_start``'s arithmetic, once); 0 without skew."""
+        unit = Int32(0)
+        if cutlass.const_expr(self.skew16 > 0):
+            unit = run_start(self.skew16, units, workers, self.WIDE_RUNS)
+        return unit
 
     @staticmethod
     def skew_shift(q, n, unit) -> Int32:
@@ -1334,8 +1338,9 @@ class GemvKernel:
         return (q * cutlass.max(n - q, 0) * unit + (1 << 15)) >> 16
 
     @cute.jit
-    def skewed_run(self, worker, units, workers, per_cta):
-        """(First unit, end) of this warp's run in the crossing variants (its CTA's quad)."""
+    def skewed_run(self, worker, units, workers, per_cta, unit):
+        """(First unit, end) of this warp's run in the crossing variants (its CTA's quad;
+        ``unit``: ``skew_unit``'s)."""
         u_begin = run_start(worker, units, workers, self.WIDE_RUNS)
         u_end = run_start(worker + 1, units, workers, self.WIDE_RUNS)
         if cutlass.const_expr(self.skew16 > 0):
@@ -1343,7 +1348,6 @@ class GemvKernel:
             ctas, _, _ = cute.arch.grid_dim()
             quad = cute.arch.warp_idx() // WARPS
             n = cta_first(cta + 1, workers, ctas, per_cta) - cta_first(cta, workers, ctas, per_cta)
-            unit = self.skew_unit(units, workers)
             u_begin = u_begin - self.skew_shift(quad, n, unit)
             u_end = u_end - self.skew_shift(quad + 1, n, unit)
         return u_begin, u_end
@@ -1410,10 +1414,8 @@ class GemvKernel:
         beside the others' K loops (2-5% on the crossing grids, session 36)."""
         units, workers, k_tiles = plan
         pScale, mBias, mOut, has_bias = epi
-        u_begin, u_end = self.skewed_run(worker, units, workers, per_cta)
-        unit = Int32(0)
-        if cutlass.const_expr(self.skew16 > 0):
-            unit = self.skew_unit(units, workers)
+        unit = self.skew_unit(units, workers)
+        u_begin, u_end = self.skewed_run(worker, units, workers, per_cta, unit)
         first = u_begin // k_tiles
         last = (u_end - 1) // k_tiles
         for i in cutlass.range(1 + Int32(last != first), unroll=1):
