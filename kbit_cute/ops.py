@@ -237,8 +237,33 @@ def _(packed, absmax, codebook, scale, k, N, K, dtype, out):
 
 # ============================================================================ gemm
 
-GEMV_MAX_M = 8  # the GEMV's mma has 8 activation columns; larger M goes to the GEMM
+GEMV_MAX_M = 8  # the GEMV's mma has 8 activation columns; larger M goes to the GEMM,
 _M_BUCKET = (0, 1, 2, 4, 4, 8, 8, 8, 8)  # M -> the compiled rows bucket of the GEMV
+# except on small weights, where the GEMV's rows bucket 8 serves up to 32 rows in sets of 8
+# (``GemvKernel.row_sets``), each set a grid of its own on 1 / sets of the SMs. (weight
+# elements, most rows): up to that size, that many rows. Measured on the H100 against the
+# GEMM at M = 12, 16, 24, 32, k = 2..5, eleven weights of 1M-24M elements (session 38,
+# perf/NOTES.md): row sets 1.0-1.7x faster up to 8M elements at M <= 32 and 10M at M <= 24,
+# 1.06-1.33x on 16M (2048 x 8192) at M <= 16; 24M (2048 x 12288) ties at M <= 16 and loses
+# beyond, as does every larger weight (4096 x 14336 at M = 16: 0.75-0.80x).
+GEMV_ROW_SETS = ((1 << 23, 32), (10 << 20, 24), (1 << 24, 16))
+
+
+def gemv_max_m(N: int, K: int) -> int:
+    """The most rows M the GEMV serves for a weight [N, K] (``GEMV_ROW_SETS``); larger M
+    goes to the GEMM."""
+    for elements, rows in GEMV_ROW_SETS:
+        if N * K <= elements:
+            return rows
+    return GEMV_MAX_M
+
+
+def gemv_rows(M: int) -> tuple[int, int]:
+    """(rows bucket, row sets) of the GEMV launch for M rows: sets of the largest bucket
+    past GEMV_MAX_M."""
+    if M <= GEMV_MAX_M:
+        return _M_BUCKET[M], 1
+    return GEMV_MAX_M, -(-M // GEMV_MAX_M)
 
 
 def gemv_max_splits(m_bucket: int) -> int:
@@ -709,32 +734,37 @@ def _split_scratch(dev: int, stream: int, ws_elems: int, groups: int, empty_slot
 class _GemvPlan:
     """One weight shape (k, N, K) for one activation dtype on one CUDA device, made by the
     first call (which checks the weight's tensors in full): the sizes the hot path re-checks,
-    per M in 1..8 the launch function (on first use of that M) and stream-K grid, and per
-    stream split-K scratch big enough for every M."""
+    the most rows the GEMV serves (``gemv_max_m``), per M up to that the launch function (on
+    first use of that M) and stream-K grid, and per stream split-K scratch big enough for
+    every M."""
 
     __slots__ = ("k", "N", "K", "dtype", "variants", "words", "codes", "bias_shape", "strips")
-    __slots__ += ("grids", "groups", "crossing")
+    __slots__ += ("max_m", "grids", "groups", "crossing", "counters")
     __slots__ += ("ws_elems", "by_m", "scratch")
 
     def __init__(self, k: int, N: int, K: int, dtype: torch.dtype, sm_count: int):
         self.k, self.N, self.K, self.dtype = k, N, K, dtype
-        buckets = set(_M_BUCKET[1:])
-        # (lookup, stages) per rows bucket (None: the kernel's defaults)
-        self.variants = {m: gemv_variant(k, m, N, K, sm_count) for m in buckets}
+        self.max_m = gemv_max_m(N, K)
+        # launch forms (rows bucket, row sets), each set's grid on 1 / sets of the SMs
+        forms = {gemv_rows(M) for M in range(1, self.max_m + 1)}
+        sms = {f: sm_count // f[1] for f in forms}
+        # (lookup, stages) per form (None: the kernel's defaults)
+        self.variants = {f: gemv_variant(k, f[0], N, K, sms[f]) for f in forms}
         self.words = tiled_sizes(k, N, K)[0]
         self.codes = 1 << k
         self.bias_shape = torch.Size((N,))
         self.strips = -(-N // 128) * 4  # split-K counters: one per 32-column strip
-        # (workers, ctas) per rows bucket
+        self.counters = self.strips * max(sets for _, sets in forms)  # (each set its own)
+        # (workers, ctas) per form
         self.grids = {
-            m: gemv_grid(k, m, dtype, N, K, sm_count, variant=self.variants[m]) for m in buckets
+            f: gemv_grid(k, f[0], dtype, N, K, sms[f], variant=self.variants[f]) for f in forms
         }
-        # whether each rows bucket takes the variant with CTA groups
-        self.groups = {m: gemv_cta_groups(m, N, self.grids[m], self.variants[m]) for m in buckets}
+        # whether each form takes the variant with CTA groups
+        self.groups = {f: gemv_cta_groups(f[0], N, self.grids[f], self.variants[f]) for f in forms}
         # whether its runs cross strips (``even_workers``): the variant whose ring runs on
-        self.crossing = {m: gemv_crossing(m, k, N, self.grids[m], self.groups[m]) for m in buckets}
-        self.ws_elems = max(_ws_elems(w, m) for m, (w, _) in self.grids.items())
-        self.by_m: list[tuple[object, int, int, int, int] | None] = [None] * (GEMV_MAX_M + 1)
+        self.crossing = {f: gemv_crossing(f[0], k, N, self.grids[f], self.groups[f]) for f in forms}
+        self.ws_elems = max(sets * _ws_elems(w, m) for (m, sets), (w, _) in self.grids.items())
+        self.by_m: list[tuple[object, int, int, int, int] | None] = [None] * (self.max_m + 1)
         self.scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def entry(self, M: int) -> tuple[object, int, int, int, int]:
@@ -742,12 +772,13 @@ class _GemvPlan:
         on first use."""
         got = self.by_m[M]
         if got is None:
-            m = _M_BUCKET[M]
+            f = gemv_rows(M)
             fn = _gemv_launcher(
-                self.k, m, self.dtype, *self.variants[m], self.groups[m], self.crossing[m]
-            )
-            workers, ctas = self.grids[m]
-            cta_args = _cta_args(self.groups[m], self.N, workers, ctas)
+                self.k, f[0], self.dtype, *self.variants[f], self.groups[f], self.crossing[f],
+                f[1] > 1,
+            )  # fmt: skip
+            workers, ctas = self.grids[f]
+            cta_args = _cta_args(self.groups[f], self.N, workers, ctas)
             got = self.by_m[M] = (fn, workers, ctas, *cta_args)
         return got
 
@@ -790,23 +821,23 @@ def _ws_elems(workers: int, m_bucket: int) -> int:
 
 # (k, N, K, device, A's dtype) -> plan; made only for CUDA devices and fp16/bf16
 _gemv_plans: dict[tuple[int, int, int, int, torch.dtype], _GemvPlan] = {}
-# (k, m bucket, dtype, lookup, stages, CTA groups, crossing) -> launch function taking the
-# stream last (compile.stream_launcher)
+# (k, m bucket, dtype, lookup, stages, CTA groups, crossing, row sets) -> launch function
+# taking the stream last (compile.stream_launcher)
 _gemv_launchers: dict[tuple, object] = {}
 
 
 def _gemv_launcher(
     k: int, m_bucket: int, dtype: torch.dtype, lookup=None, stages=None, cta_groups=False,
-    crossing=False,
+    crossing=False, row_sets=False,
 ):  # fmt: skip
-    key = (k, m_bucket, dtype, lookup, stages, cta_groups, crossing)
+    key = (k, m_bucket, dtype, lookup, stages, cta_groups, crossing, row_sets)
     fn = _gemv_launchers.get(key)
     if fn is None:
         from .kernels.gemv import gemv_spec
 
         spec = gemv_spec(
             k, m_bucket, _GEMV_DTYPES[dtype], stages, lookup, cta_groups=cta_groups,
-            crossing=crossing,
+            crossing=crossing, row_sets=row_sets,
         )  # fmt: skip
         fn = stream_launcher(spec)
         _gemv_launchers[key] = fn
@@ -878,7 +909,7 @@ def _gemm_impl(A, packed, absmax, codebook, scale, k, N, K, bias=None, out=None)
     M = shape[0] if len(shape) == 2 else A.numel() // K
     if M == 0:
         return out
-    if M > GEMV_MAX_M:
+    if M > plan.max_m:
         return _gemm_large_m(A, packed, absmax, codebook, scale, k, N, K, bias, out)
     entry = plan.by_m[M]
     if entry is None or dev != _current_device():
@@ -887,7 +918,7 @@ def _gemm_impl(A, packed, absmax, codebook, scale, k, N, K, bias=None, out=None)
     scratch = plan.scratch.get(stream)
     if scratch is None:
         scratch = plan.scratch[stream] = _split_scratch(
-            dev, stream, plan.ws_elems, plan.strips, empty_slots=True
+            dev, stream, plan.ws_elems, plan.counters, empty_slots=True
         )
     if not A.is_contiguous():
         A = A.contiguous()
@@ -988,7 +1019,7 @@ def _gemm_general(A, packed, absmax, codebook, scale, k, N, K, bias=None, out=No
         W = _dequantize_reference(_as_weight(packed, absmax, codebook, scale, k, N, K), A.dtype)
         r = torch.nn.functional.linear(A, W, bias)
         return r if out is None else out.copy_(r)
-    _plan(packed, absmax, codebook, scale, k, N, K, dev, A.dtype)
+    plan = _plan(packed, absmax, codebook, scale, k, N, K, dev, A.dtype)
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()  # the kernels read bias[n] at n
     if out is None:
@@ -996,7 +1027,7 @@ def _gemm_general(A, packed, absmax, codebook, scale, k, N, K, bias=None, out=No
     M = A.numel() // K
     if M == 0:
         return out
-    if M > GEMV_MAX_M:
+    if M > plan.max_m:
         return _gemm_large_m(A, packed, absmax, codebook, scale, k, N, K, bias, out)
     return _gemv_launch(A, packed, absmax, codebook, scale, k, N, K, bias, out, M, None, dev)
 
@@ -1024,15 +1055,18 @@ def _gemv_launch(A, packed, absmax, codebook, scale, k, N, K, bias, out, M, work
     plan = _gemv_plans[(k, N, K, dev, A.dtype)]
     fn, plan_workers, ctas, _, _ = plan.entry(M)
     grid = (plan_workers, ctas)
+    m, sets = gemv_rows(M)
     if workers:
         sm_count = _device.check_device(dev).sm_count
-        grid = gemv_grid(k, _M_BUCKET[M], A.dtype, N, K, sm_count, workers)
+        variant = plan.variants[(m, sets)]
+        grid = gemv_grid(k, m, A.dtype, N, K, sm_count // sets, workers, variant)
     stream = _raw_stream(dev)
-    ws_elems = _ws_elems(grid[0], _M_BUCKET[M])
-    scratch = _split_scratch(dev, stream, ws_elems, plan.strips, empty_slots=True)
+    # (at least the plan's: what the hot path will ask of this stream for any M)
+    ws_elems = max(sets * _ws_elems(grid[0], m), plan.ws_elems)
+    scratch = _split_scratch(dev, stream, ws_elems, plan.counters, empty_slots=True)
     if not A.is_contiguous():
         A = A.contiguous()
-    grid = (*grid, *_cta_args(plan.groups[_M_BUCKET[M]], N, *grid))
+    grid = (*grid, *_cta_args(plan.groups[(m, sets)], N, *grid))
     try:
         _launch_gemv(
             fn, A, packed, absmax, codebook, scale, bias, out, scratch, M, N, K, grid, stream

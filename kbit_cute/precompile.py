@@ -35,15 +35,19 @@ def _dtype_name(d) -> str:
     raise ValueError(f"dtype must be a torch dtype or one of f16, bf16, f32, got {d!r}")
 
 
-def select_specs(k=(2, 3, 4, 5), dtypes=("f16", "bf16"), m=(1, 2, 4, 8), kernels=None, arch=None):
+def select_specs(
+    k=(2, 3, 4, 5), dtypes=("f16", "bf16"), m=(1, 2, 4, 8, 16), kernels=None, arch=None
+):
     """Registered variants for ``arch`` (default: the compile target) whose name tokens
     (``k4``, ``m1``, ``f16`` ...) are in the given sets; a name without such a token (e.g. no
-    ``m``) passes that filter. ``kernels``: name prefixes (``gemv``, ``dequantize`` ...),
-    default all."""
+    ``m``) passes that filter, and the GEMV's row-set variants (suffix ``r``, M = 9..32 on
+    small weights) pass for any m over 8. ``kernels``: name prefixes (``gemv``,
+    ``dequantize`` ...), default all."""
     from .kernels import all_specs
 
     ks = {f"k{int(x)}" for x in ([k] if isinstance(k, int) else k)}
-    ms = {f"m{int(x)}" for x in ([m] if isinstance(m, int) else m)}
+    rows = [int(x) for x in ([m] if isinstance(m, int) else m)]
+    ms = {f"m{x}" for x in rows}
     dts = {_dtype_name(d) for d in ([dtypes] if isinstance(dtypes, (str, torch.dtype)) else dtypes)}
     out = []
     for spec in all_specs(arch):
@@ -52,6 +56,8 @@ def select_specs(k=(2, 3, 4, 5), dtypes=("f16", "bf16"), m=(1, 2, 4, 8), kernels
             continue
         k_tok = [t for t in tokens if re.fullmatch(r"k\d", t)]
         m_tok = [t for t in tokens if re.fullmatch(r"m\d+", t)]
+        if tokens[0] == "gemv" and tokens[-1] == "r":  # row sets: M over 8
+            m_tok = [] if any(x > 8 for x in rows) else ["rows over 8"]
         d_tok = [t for t in tokens if t in ("f16", "bf16", "f32")]
         if all(
             not tok or tok[0] in allowed
@@ -128,13 +134,15 @@ def build(specs, arch: str, jobs: int | None = None, verbose: bool = False) -> d
 def warmup(
     k=(2, 3, 4, 5),
     dtypes=(torch.float16, torch.bfloat16),
-    m=(1, 2, 4, 8),
+    m=(1, 2, 4, 8, 16),
     kernels=None,
     jobs: int | None = None,
 ) -> dict:
     """Compile (into the disk cache, in parallel) and load (into this process) the variants
     a model will call, so no call pays a JIT. E.g. ``kbit_cute.warmup(k=4, dtypes=torch.bfloat16,
-    m=1)`` for batch-1 decode of a k=4 bf16 model. Returns counts and timings."""
+    m=1)`` for batch-1 decode of a k=4 bf16 model. ``m``: the GEMV's rows buckets (1, 2, 4,
+    8); any m over 8 adds its row-set variants (M = 9..32 on small weights); the GEMM's
+    variants carry no m. Returns counts and timings."""
     from .compile import launcher, target_arch
 
     specs = select_specs(k, dtypes, m, kernels)
@@ -153,7 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", help="target, e.g. sm_90a (default: this GPU's)")
     p.add_argument("--k", type=int, nargs="+", default=[2, 3, 4, 5])
     p.add_argument("--dtypes", nargs="+", default=["f16", "bf16", "f32"])
-    p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument(
+        "--m",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4, 8, 16],
+        help="rows buckets; any m over 8 takes the GEMV row sets (M = 9..32)",
+    )
     p.add_argument("--kernels", nargs="+", help="name prefixes, e.g. gemv dequantize")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--list", action="store_true", help="list the variants and their entries")

@@ -70,12 +70,12 @@ def gpu_rows(K: int, N: int, k: int, dtype: torch.dtype) -> list[tuple[str, floa
         kbit_cute.gemm(A, qw)  # the hot path from here on
     plan = ops._gemv_plans[(k, N, K, A.get_device(), dtype)]
     ws, cnt = plan.scratch[torch.cuda.current_stream().cuda_stream]
-    lookup, stages = plan.variants[1]  # the variant the plan launches (its grid is for it)
+    lookup, stages = plan.variants[(1, 1)]  # the variant the plan launches (its grid is for it)
     dtype_name = "f16" if dtype == torch.float16 else "bf16"
-    spec = gemv_spec(k, 1, dtype_name, stages, lookup, crossing=plan.crossing[1])
+    spec = gemv_spec(k, 1, dtype_name, stages, lookup, crossing=plan.crossing[(1, 1)])
     raw = kc.launcher(spec)
     raw_args = (A, qw.packed, qw.absmax, qw.codebook, qw.scale, out, out, ws, cnt)
-    raw_args += (1, N, K, *plan.grids[1], *ops._cta_args(False, N, *plan.grids[1]), 0)
+    raw_args += (1, N, K, *plan.grids[(1, 1)], *ops._cta_args(False, N, *plan.grids[(1, 1)]), 0)
     stream = torch.cuda.current_stream().cuda_stream
     # The bare FFI function with the pointers read beforehand: the floor under any launcher.
     _, ffi = kc._load(spec)
@@ -103,8 +103,8 @@ def install_mock(K: int, N: int, k: int, dtype: torch.dtype, sm_count: int = 132
     from kbit_cute.kernels.gemv import gemv_spec
 
     plan = ops._GemvPlan(k, N, K, dtype, sm_count)
-    lookup, stages = plan.variants[1]
-    crossing = plan.crossing[1]  # (M = 1: never CTA groups)
+    lookup, stages = plan.variants[(1, 1)]
+    crossing = plan.crossing[(1, 1)]  # (M = 1: never CTA groups)
     dtype_name = "f16" if dtype == torch.float16 else "bf16"
     spec = gemv_spec(k, 1, dtype_name, stages, lookup, crossing=crossing)
     params = kc.kernel_params(spec)

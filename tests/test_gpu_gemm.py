@@ -332,16 +332,24 @@ def test_under_cuda_graph(weights):
         assert rel_err(out, reference(A, qw)) < TOL[torch.float16]
 
 
-# M = 5 (GEMV), 27 (GEMM kernel), 39 and 300 (dequantize + cuBLAS for this small k = 5 weight)
+# 1056 x 1000 at k = 5: M = 5 (GEMV), 27 (GEMV row sets), 39 and 300 (dequantize + cuBLAS
+# for this small weight); 4096 x 4608 (too large for row sets): M = 12 (GEMM kernel)
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("lead", [(1, 5), (3, 9), (3, 13), (2, 150)])
-def test_kbit_cute_gemm_for_m_above_4(lead, with_bias, weights):
-    """The public entry point for M > 4, across the GEMV / GEMM / dequantize + cuBLAS
-    dispatch, into a NaN-poisoned ``out`` (cuBLAS writes it directly), with and without bias."""
-    K, N, k = 1056, 1000, 5
+@pytest.mark.parametrize(
+    "K,N,lead",
+    [(1056, 1000, (1, 5)), (1056, 1000, (3, 9)), (1056, 1000, (3, 13)), (1056, 1000, (2, 150)),
+     (4096, 4608, (2, 6))],
+)  # fmt: skip
+def test_kbit_cute_gemm_for_m_above_4(K, N, lead, with_bias, weights):
+    """The public entry point for M > 4, across the GEMV / GEMV row sets / GEMM / dequantize
+    + cuBLAS dispatch, into a NaN-poisoned ``out`` (cuBLAS writes it directly), with and
+    without bias."""
+    k = 5
     dev = torch.cuda.current_device()
-    # both large-M paths are among the leads (a re-tuned table may need other M here)
-    assert {gd.use_cublas(M, N, K, k, dev) for M in (27, 39, 300)} == {False, True}
+    # every path is among the cases (a re-tuned table or row-set rule may need others here)
+    assert kbit_cute.ops.gemv_max_m(1000, 1056) >= 27 and kbit_cute.ops.gemv_max_m(N, K) >= 5
+    assert kbit_cute.ops.gemv_max_m(4608, 4096) < 12 and not gd.use_cublas(12, 4608, 4096, k, dev)
+    assert {gd.use_cublas(M, 1000, 1056, k, dev) for M in (39, 300)} == {True}
     qw = weights(K, N, k)
     A = torch.randn(*lead, K, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(N, device="cuda", dtype=torch.bfloat16) if with_bias else None

@@ -1,4 +1,5 @@
-"""GEMV (M <= 8) on the GPU against the float32 reference of the dequantized weight."""
+"""GEMV (M <= 8; M <= 32 in row sets on small weights) on the GPU against the float32
+reference of the dequantized weight."""
 
 import os
 
@@ -81,6 +82,53 @@ def test_gemv_alternating_shapes_match_fresh_calls(weights):
             assert torch.equal(kbit_cute.gemm(inputs[c], weights[c[:3]]), fresh[c]), c
 
 
+ROW_SET_MS = (9, 12, 16, 17, 24, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("K,N", SHAPES)
+def test_row_sets_match_reference(K, N, k, dtype, weights):
+    """M = 9..32 on the weights the GEMV serves them for (``ops.gemv_max_m``): sets of 8
+    rows (the last one partial at 9, 12, 17), into a NaN-poisoned out, bit-identical on a
+    second call."""
+    qw = weights[(K, N, k)]
+    served = [M for M in ROW_SET_MS if M <= ops.gemv_max_m(N, K)]
+    assert served, "every shape here is small enough for row sets"
+    for M in served:
+        A = torch.randn(M, K, device="cuda", dtype=dtype)
+        out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+        got = kbit_cute.gemm(A, qw, out=out)
+        assert not torch.isnan(got).any(), (M, "an output element was not written")
+        assert rel_err(got, reference(A, qw)) < TOL[dtype], M
+        assert torch.equal(kbit_cute.gemm(A, qw), got), M
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_row_sets_leading_dims_bias_and_alternating_m(dtype, weights):
+    """Row sets with leading dims and bias, and calls that alternate between row-set counts,
+    plain GEMV rows and the GEMM (4096 x 14336: no row sets) match fresh calls: each set's
+    slots and counters are left as the next call needs them."""
+    K, N, k = 4096, 2048, 3
+    qw = weights[(K, N, k)]
+    A = torch.randn(2, 12, K, device="cuda", dtype=dtype)
+    bias = torch.randn(N, device="cuda", dtype=dtype)
+    got = kbit_cute.gemm(A, qw, bias=bias)
+    assert got.shape == (2, 12, N)
+    assert rel_err(got.view(24, N), reference(A.view(24, K), qw, bias)) < TOL[dtype]
+    big = kbit_cute.quantize(torch.randn(14336, 4096, device="cuda") * 0.05, k)
+    assert ops.gemv_max_m(14336, 4096) == ops.GEMV_MAX_M < 16 <= ops.gemv_max_m(N, K)
+    cases = [(qw, M) for M in (32, 3, 16, 9, 1, 24, 17)] + [(big, 16), (big, 4)]
+    inputs = {i: torch.randn(M, c.K, device="cuda", dtype=dtype) for i, (c, M) in enumerate(cases)}
+    fresh = {i: kbit_cute.gemm(inputs[i], cases[i][0]).clone() for i in inputs}
+    for _ in range(2):
+        for i in list(inputs)[::-1] + list(inputs):
+            assert torch.equal(kbit_cute.gemm(inputs[i], cases[i][0]), fresh[i]), cases[i][1]
+    dev = torch.cuda.current_device()
+    slots = ops._split_states[(dev, ops._raw_stream(dev))].slots
+    assert (slots.view(torch.int32) == -1).all()  # every set's slots empty again
+
+
 @pytest.mark.parametrize("K, N", [(5120, 2048), (2048, 5120)])
 @pytest.mark.parametrize("workers", [1, 5, "tiles", 37, 1000, "s8", "s32"])
 def test_gemv_stream_k_is_deterministic(K, N, workers, weights):
@@ -100,18 +148,19 @@ def test_gemv_stream_k_is_deterministic(K, N, workers, weights):
     first = ops._gemv(A, qw, None, out, 4, workers).clone()
     assert rel_err(first, reference(A, qw)) < TOL[torch.bfloat16]
     plan = ops._gemv_plans[(k, N, K, torch.cuda.current_device(), A.dtype)]
-    assert plan.groups[4]  # M = 4 takes the variant with CTA groups on both shapes
+    assert plan.groups[(4, 1)]  # M = 4 takes the variant with CTA groups on both shapes
     for _ in range(5):
         again = ops._gemv(A, qw, None, out.fill_(float("nan")), 4, workers)
         assert torch.equal(again, first)
 
 
-@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("M", [1, 3, 8, 24])
 def test_gemv_leaves_every_split_slot_empty(M, weights):
     """The polled hand-over's invariant: after any call the stream's slots are all
     EMPTY_SLOT again, whatever the split (16-way, runs over several strips, 63 workers a
     strip; at M = 3, 8 2048x5120 takes the variant with CTA groups: 8- and 32-way splits
-    and, per worker, 1000), so the next call's owner waits for the partials of its own call."""
+    and, per worker, 1000; M = 24 runs three row sets of each grid), so the next call's owner
+    waits for the partials of its own call."""
     for (K, N, k), workers in [((5120, 2048, 4), None), ((5120, 2048, 3), 5),
                                ((2048, 512, 5), 1000), ((1056, 1000, 2), 37),
                                ((2048, 5120, 3), None), ((2048, 5120, 4), 1280),
@@ -155,10 +204,11 @@ def test_gemm_large_m_falls_back_correctly(weights):
     assert rel_err(kbit_cute.gemm(A, qw), reference(A, qw)) < TOL[torch.float16]
 
 
-def test_gemv_under_cuda_graph(weights):
+@pytest.mark.parametrize("M", [1, 16])
+def test_gemv_under_cuda_graph(M, weights):
     qw = weights[(2048, 5120, 4)]
-    A = torch.randn(1, 2048, device="cuda", dtype=torch.float16)
-    out = torch.empty(1, 5120, device="cuda", dtype=torch.float16)
+    A = torch.randn(M, 2048, device="cuda", dtype=torch.float16)
+    out = torch.empty(M, 5120, device="cuda", dtype=torch.float16)
     kbit_cute.gemm(A, qw, out=out)  # warm: compile, workspace
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

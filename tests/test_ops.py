@@ -223,6 +223,7 @@ def fake_gpu(monkeypatch):
     from kbit_cute.kernels.gemv import gemv_spec
 
     calls, streams = [], [1234]
+    specs = []  # the names of the variants loaded, in order
     props = kdev.DeviceProps(7, "stub", (9, 0), 132, 50 << 20, 227 << 10, 228 << 10)
 
     def scratch(index, n, dtype, fill_byte=None):
@@ -231,10 +232,15 @@ def fake_gpu(monkeypatch):
             return fake(torch.full((n * dtype.itemsize,), fill_byte, dtype=torch.uint8).view(dtype))
         return fake(torch.full((n,), -7, dtype=dtype))
 
-    def launcher(k, m_bucket, dtype, lookup=None, stages=None, cta_groups=False, crossing=False):
+    def launcher(
+        k, m_bucket, dtype, lookup=None, stages=None, cta_groups=False, crossing=False,
+        row_sets=False,
+    ):  # fmt: skip
         spec = gemv_spec(
-            k, m_bucket, ops._GEMV_DTYPES[dtype], stages, lookup, None, cta_groups, crossing
+            k, m_bucket, ops._GEMV_DTYPES[dtype], stages, lookup, None, cta_groups, crossing,
+            row_sets,
         )  # fmt: skip
+        specs.append(spec.name)
         params = kc.kernel_params(spec)
         return kc.make_launch("stub", params, lambda *a: calls.append(a), stream_arg=True)
 
@@ -245,6 +251,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(ops, "_gemv_launcher", launcher)
     monkeypatch.setattr(ops, "_gemv_plans", {})
     monkeypatch.setattr(ops, "_split_states", {})
+    monkeypatch.setattr(ops, "_fake_gpu_specs", specs, raising=False)
     return calls, streams
 
 
@@ -275,7 +282,7 @@ def test_cuda_dispatch_passes_the_kernel_arguments_in_order(M, bias, fake_gpu, g
         assert args[1:5] == tuple(t.data_ptr() for t in wargs(w)[:4])
         assert args[5] == (b.data_ptr() if bias else out.data_ptr()) and args[6] == out.data_ptr()
         per_cta, splits = workers // ctas, 0  # no CTA groups for so few workers
-        assert not ops._gemv_plans[(k, N, K, 7, dtype)].groups[m_bucket]
+        assert not ops._gemv_plans[(k, N, K, 7, dtype)].groups[(m_bucket, 1)]
         assert args[9:] == (M, N, K, workers, ctas, per_cta, splits, int(bias), 1234)
         state = ops._split_states[(7, 1234)]
         assert args[7] == state.slots.data_ptr() and args[8] == state.counters.data_ptr()
@@ -310,7 +317,7 @@ def test_k5_plans_take_the_variant_of_their_weight(N, K, M, variant, quads, fake
     from kbit_cute.kernels.gemv import SMALL_WEIGHT, GemvKernel
 
     calls, _ = fake_gpu
-    loaded = []  # (k, m, dtype, lookup, stages, groups, crossing) of every launch function
+    loaded = []  # (k, m, dtype, lookup, stages, groups, crossing, row sets) of each launcher
     fake_launcher = ops._gemv_launcher
 
     def recording_launcher(*key):
@@ -322,7 +329,7 @@ def test_k5_plans_take_the_variant_of_their_weight(N, K, M, variant, quads, fake
     w = fake_weight(gen, N, K, 5, torch.float16)
     kbit_cute.gemm(fake(torch.randn(M, K, generator=gen).half()), w)
     m = {1: 1, 2: 2, 4: 4, 5: 8, 8: 8}[M]
-    assert loaded == [(5, m, torch.float16, *variant, False)]  # (runs within strips)
+    assert loaded == [(5, m, torch.float16, *variant, False, False)]  # (in strips, one set)
     kernel = GemvKernel(5, m, cutlass.Float16, variant[1], variant[0], cta_groups=variant[2])
     assert kernel.quads == quads
     (args,) = calls  # launched with the grid of that variant
@@ -427,6 +434,41 @@ def test_each_stream_gets_its_own_zeroed_counters(fake_gpu, gen):
     assert ws11 != ws22 and cnt11 != cnt22
     for stream in (11, 22):
         assert not ops._split_states[(7, stream)].counters.any()
+
+
+def test_rows_over_8_on_small_weights_run_the_gemv_in_row_sets(fake_gpu, gen):
+    """M = 9..32 on a weight of at most 2^23 elements: the GEMV's rows bucket 8 in ceil(M / 8)
+    row sets (the variant with ``row_sets``), each set's grid that of 132 / sets SMs, the
+    scratch holding every set's slots and counters."""
+    calls, _ = fake_gpu
+    k, dtype, N, K = 4, torch.float16, 512, 2048
+    w = fake_weight(gen, N, K, k, dtype)
+    for M, sets in ((9, 2), (16, 2), (17, 3), (32, 4), (8, 1)):
+        for _ in range(2):  # the first call plans; then the hot path
+            calls.clear()
+            ops._fake_gpu_specs.clear()
+            out = kbit_cute.gemm(fake(torch.randn(M, K, generator=gen).to(dtype)), w)
+            assert out.shape == (M, N)
+            (args,) = calls
+            workers, ctas = ops.gemv_grid(k, 8, dtype, N, K, 132 // sets)
+            assert args[9:14] == (M, N, K, workers, ctas), M
+            state = ops._split_states[(7, 1234)]
+            assert state.slots.numel() >= sets * 2 * workers * 8 * 128
+            assert state.counters.numel() >= sets * N // 32
+        if sets > 1:  # (loaded on the plan's first call of this M)
+            plan = ops._gemv_plans[(k, N, K, 7, dtype)]
+            assert plan.by_m[M][0] is not None and plan.max_m == 32
+
+
+def test_gemv_row_set_rule():
+    """The most rows the GEMV serves by weight size (``ops.GEMV_ROW_SETS``), and the launch
+    form of each M."""
+    assert ops.gemv_max_m(512, 2048) == 32 and ops.gemv_max_m(4096, 2048) == 32
+    assert ops.gemv_max_m(5120, 2048) == 24 and ops.gemv_max_m(8192, 2048) == 16
+    assert ops.gemv_max_m(12288, 2048) == ops.GEMV_MAX_M == 8
+    assert [ops.gemv_rows(M) for M in (1, 3, 8, 9, 16, 17, 32)] == [
+        (1, 1), (4, 1), (8, 1), (8, 2), (8, 2), (8, 3), (8, 4)
+    ]  # fmt: skip
 
 
 def test_scratch_grows_and_keeps_outgrown_buffers(fake_gpu, gen):
@@ -712,8 +754,8 @@ def test_plan_takes_the_crossing_variant_for_an_even_grid(fake_gpu, gen):
     for M in (1, 4):
         kbit_cute.gemm(fake(torch.randn(M, K, generator=gen).half()), w)
     assert loaded == [
-        (3, 1, torch.float16, None, None, False, True),
-        (3, 4, torch.float16, None, None, True, False),
+        (3, 1, torch.float16, None, None, False, True, False),
+        (3, 4, torch.float16, None, None, True, False, False),
     ]
     assert calls[0][12] == 528  # the even grid's workers
 

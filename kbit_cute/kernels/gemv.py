@@ -256,6 +256,14 @@ class GemvKernel:
     # hence the bounds.
     CTA_GROUPS_FROM_M = 2
     CTA_GROUPS_MIN_WORKERS = 2
+    # Row sets (variants with ``row_sets``): rows bucket ROW_SETS_M serving M > m as
+    # ceil(M / m) sets of m rows, the launch grid's y (``row_set_views``). Each set is the
+    # stream-K grid of its own rows, with its own workspace slots and counters, and
+    # dequantizes the weight again (read from L2 where the sets run side by side): for small
+    # weights, whose calls are latency-bound, faster than the GEMM at M = 9..32
+    # (``ops.gemv_row_sets``). A variant of its own: in the plain m = 8 variants the views'
+    # pointers cost registers (k = 5: 96 -> 110).
+    ROW_SETS_M = 8
 
     def __init__(
         self,
@@ -268,12 +276,17 @@ class GemvKernel:
         extra_smem: int = 0,
         cta_groups: bool = False,
         crossing: bool = False,
+        row_sets: bool = False,
     ):
         """``extra_smem``: shared-memory bytes a subclass's kernel adds per CTA;
         ``cta_groups``: the variant with CTA groups (``finish_cta_group``); ``crossing``: the
         variant for runs that cross strips, whose ring runs on across a strip's end
-        (``mainloop``'s ``carry``; ``ops.even_workers``)."""
+        (``mainloop``'s ``carry``; ``ops.even_workers``); ``row_sets``: the variant that
+        serves M > m in sets of m rows (``ROW_SETS_M``)."""
         self.k, self.m, self.dtype = k, m, dtype
+        if row_sets and (m != self.ROW_SETS_M or crossing):
+            raise ValueError(f"GEMV row sets: rows bucket {self.ROW_SETS_M} without crossing runs")
+        self.row_sets = row_sets
         if cta_groups and not (self.POLLED_HANDOVER and m >= self.CTA_GROUPS_FROM_M):
             raise ValueError(f"GEMV m={m}: no CTA groups below m={self.CTA_GROUPS_FROM_M}")
         if cta_groups and crossing:
@@ -429,10 +442,13 @@ class GemvKernel:
         mA = cute.make_tensor(pA, cute.make_layout((M, K), stride=(K, 1)))
         mOut = cute.make_tensor(pOut, cute.make_layout((M, N), stride=(N, 1)))
         mWs = self.strip_workspace(pWorkspace, workers)
+        row_sets = 1
+        if cutlass.const_expr(self.row_sets):
+            row_sets = (M + self.m - 1) // self.m
         self.kernel(
             mA, mW, mS, pCodebook, pScale, pBias, mOut, mWs, pCounters, n_tiles, k_tiles, workers,
             per_cta, splits, has_bias,
-        ).launch(**self.launch_options(ctas, stream))  # fmt: skip
+        ).launch(**self.launch_options(ctas, stream, row_sets))  # fmt: skip
 
     def strip_workspace(self, pWorkspace: cute.Pointer, workers) -> cute.Tensor:
         """The split-K workspace as (column of a strip, row, slot) fp32: two slots per
@@ -445,11 +461,12 @@ class GemvKernel:
         layout = cute.make_layout((TILE_N, m, 2 * workers), stride=stride)
         return cute.make_tensor(pWorkspace, layout)
 
-    def launch_options(self, ctas, stream) -> dict:
-        """``launch`` arguments of a stream-K grid of ``ctas`` CTAs (one wave): the register
-        bound where there is one, programmatic dependent launch where the target has it."""
+    def launch_options(self, ctas, stream, row_sets=1) -> dict:
+        """``launch`` arguments of a stream-K grid of ``ctas`` CTAs (one wave) per row set:
+        the register bound where there is one, programmatic dependent launch where the
+        target has it."""
         return dict(
-            grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream,
+            grid=[ctas, row_sets, 1], block=[self.threads, 1, 1], stream=stream,
             min_blocks_per_mp=self.ctas_per_sm if self.bound_regs else 0,
             preferred_smem_carveout=-1, use_pdl=self.pdl,
         )  # fmt: skip
@@ -474,8 +491,10 @@ class GemvKernel:
         has_bias: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        cta, _, _ = cute.arch.block_idx()
+        cta, row_set, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
+        if cutlass.const_expr(self.row_sets):
+            mA, mOut, mWs, pCounters = self.row_set_views(mA, mOut, mWs, pCounters, row_set)
         # warp_idx() is warp-uniform to the compiler: the schedule's values below then live
         # in uniform registers, not in the 64 per thread.
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
@@ -594,6 +613,22 @@ class GemvKernel:
         # when CTAs of the next launch could share an SM with working ones, they slowed
         # them: k = 5 with one-quad CTAs, 14336x4096, 23 -> 34 us.)
         let_next_kernel_start(self.pdl)
+
+    @cute.jit
+    def row_set_views(self, mA, mOut, mWs, pCounters, row_set):
+        """Row set ``row_set``'s A and out rows (m of them, fewer in the last set), and its
+        own workspace slots and split-K counters: past the sets before it."""
+        M, K = mA.shape
+        N = mOut.shape[1]
+        first = row_set * self.m
+        rows = cutlass.min(M - first, self.m)
+        mA = cute.make_tensor(mA.iterator + first * K, cute.make_layout((rows, K), stride=(K, 1)))
+        mOut = cute.make_tensor(
+            mOut.iterator + first * N, cute.make_layout((rows, N), stride=(N, 1))
+        )
+        mWs = cute.make_tensor(mWs.iterator + row_set * cute.cosize(mWs.layout), mWs.layout)
+        n_tiles = (N + TILE_N - 1) // TILE_N
+        return mA, mOut, mWs, pCounters + row_set * (n_tiles * WARPS)
 
     @cute.jit
     def prime_first_strip(self, mA, mW, mS, ring, rows, col0, run, busy):
@@ -1669,10 +1704,12 @@ M_BUCKETS = (1, 2, 4, 8)  # activation rows per variant: the mma has 8 columns
 def gemv_spec(
     k: int, m: int, dtype: str, stages: int | None = None, lookup: str | None = None,
     quads: int | None = None, cta_groups: bool = False, crossing: bool = False,
+    row_sets: bool = False,
 ):  # fmt: skip
     """The compiled variant of ``GemvKernel`` for bits ``k``, rows bucket ``m``, dtype name
     (``stages``, ``lookup``, ``quads``: override the defaults, for tuning; ``cta_groups``:
-    the variant with CTA groups; ``crossing``: for runs that cross strips)."""
+    the variant with CTA groups; ``crossing``: for runs that cross strips; ``row_sets``:
+    for M > m in sets of m rows)."""
     from ..compile import KernelSpec, fake_ptr, fake_stream
 
     def build():
@@ -1685,12 +1722,12 @@ def gemv_spec(
             fake_stream(),
         )  # fmt: skip
         kernel = GemvKernel(k, m, dt, stages, lookup, quads, cta_groups=cta_groups,
-                            crossing=crossing)  # fmt: skip
+                            crossing=crossing, row_sets=row_sets)  # fmt: skip
         return kernel, args
 
     suffix = (f"_s{stages}" if stages else "") + (f"_{lookup}" if lookup else "")
     suffix += (f"_q{quads}" if quads else "") + ("_g" if cta_groups else "")
-    suffix += "_x" if crossing else ""
+    suffix += ("_x" if crossing else "") + ("_r" if row_sets else "")
     return KernelSpec(f"gemv_k{k}_m{m}_{dtype}{suffix}", build, expect=("LDGSTS", "HMMA"))
 
 
@@ -1742,5 +1779,18 @@ def specs(arch: str | None = None):
             for st in (None, *([MORE_QUADS_STAGES[k]] if k in MORE_QUADS_STAGES else []))
             for d in _DTYPES
             if sm90
+        ]
+        + [  # row sets (M = 9..32 on small weights, ``ops.gemv_row_sets``): every lookup and
+            # ring depth the m = 8 bucket takes, with and without CTA groups
+            gemv_spec(k, GemvKernel.ROW_SETS_M, d, st, lk, cta_groups=groups, row_sets=True)
+            for k in (2, 3, 4, 5)
+            for lk, st in (
+                (None, None),
+                *([(SMALL_WEIGHT_LOOKUP[k], None)] if k in SMALL_WEIGHT_LOOKUP else []),
+                *([(None, MORE_QUADS_STAGES[k])] if k in MORE_QUADS_STAGES else []),
+            )
+            for groups in (False, True)
+            if not (groups and lk is not None)
+            for d in _DTYPES
         ]
     )
