@@ -239,14 +239,16 @@ def _(packed, absmax, codebook, scale, k, N, K, dtype, out):
 
 GEMV_MAX_M = 8  # the GEMV's mma has 8 activation columns; larger M goes to the GEMM,
 _M_BUCKET = (0, 1, 2, 4, 4, 8, 8, 8, 8)  # M -> the compiled rows bucket of the GEMV
-# except on small weights, where the GEMV's rows bucket 8 serves up to 32 rows in sets of 8
+# except on small weights, where the GEMV's rows bucket 8 serves up to 48 rows in sets of 8
 # (``GemvKernel.row_sets``), each set a grid of its own on 1 / sets of the SMs. (weight
 # elements, most rows): up to that size, that many rows. Measured on the H100 against the
-# GEMM at M = 12, 16, 24, 32, k = 2..5, eleven weights of 1M-24M elements (session 38,
-# perf/NOTES.md): row sets 1.0-1.7x faster up to 8M elements at M <= 32 and 10M at M <= 24,
-# 1.06-1.33x on 16M (2048 x 8192) at M <= 16; 24M (2048 x 12288) ties at M <= 16 and loses
-# beyond, as does every larger weight (4096 x 14336 at M = 16: 0.75-0.80x).
-GEMV_ROW_SETS = ((1 << 23, 32), (10 << 20, 24), (1 << 24, 16))
+# previous dispatch (GEMM or dequantize + cuBLAS), k = 2..5 (session 38, perf/NOTES.md): at
+# M = 9..32 on nine weights of 1M-25M elements row sets 1.02-1.77x faster up to 8.4M
+# elements at M <= 32 and 10.5M at M <= 24, 1.06-1.35x on 16.8M (2048 x 8192) at M <= 16;
+# 25M (2048 x 12288) ties at M <= 16 and loses beyond, as does every larger weight (4096 x
+# 14336 at M = 16: 0.75-0.80x); at M = 40, 48, 64 on six weights of 1M-4.2M elements 1.00-1.75x
+# up to M = 48, at M = 64 1.07-1.38x for k <= 4 but 0.93-1.15x for k = 5.
+GEMV_ROW_SETS = ((1 << 22, 48), (1 << 23, 32), (10 << 20, 24), (1 << 24, 16))
 
 
 def gemv_max_m(N: int, K: int) -> int:
@@ -853,9 +855,10 @@ def gemm(
     """out[..., N] = A[..., K] @ W^T (+ bias), W a ``KbitWeight``; output in A's dtype.
 
     M = product of A's leading dims. On CUDA (fp16/bf16) M <= 8 runs the GEMV
-    kernel; larger M the mma.sync GEMM (or dequantize + cuBLAS from the measured
-    crossover). On the CPU: dequantize + matmul. ``out``: a contiguous [..., N] tensor
-    of A's dtype that shares no memory with A or bias.
+    kernel (on small weights up to M = 32, in row sets: ``gemv_max_m``); larger M the
+    mma.sync GEMM (or dequantize + cuBLAS from the measured crossover). On the CPU:
+    dequantize + matmul. ``out``: a contiguous [..., N] tensor of A's dtype that shares no
+    memory with A or bias.
     """
     if not isinstance(qw, KbitWeight):
         raise TypeError(f"gemm takes A (torch.Tensor) and qw (KbitWeight), got {type(qw).__name__}")
@@ -880,7 +883,7 @@ def _gemm_impl(A, packed, absmax, codebook, scale, k, N, K, bias=None, out=None)
     """Eager gemm. Inline: the hot path, a planned weight shape on CUDA, with the per-call
     checks in the cheapest order (A's K, dtype and device; the weight's device and sizes;
     bias and out). First calls, every error, the CPU and another current device go through
-    ``_gemm_general``; M > GEMV_MAX_M through ``_gemm_large_m``."""
+    ``_gemm_general``; M past what the GEMV serves (``gemv_max_m``) through ``_gemm_large_m``."""
     dev = A.get_device()
     plan = _gemv_plans.get((k, N, K, dev, A.dtype))  # none for the CPU or other dtypes
     shape = A.shape
@@ -1098,9 +1101,10 @@ def _gemv(A, qw: KbitWeight, bias, out, M: int, workers: int | None = None):
 
 
 def _gemm_large_m(A, packed, absmax, codebook, scale, k, N, K, bias, out):
-    """M > GEMV_MAX_M: the mma.sync GEMM (deterministic split-K), or from the measured crossover
-    (``gemm_table.CUBLAS_FROM_M``, for weights over the L2 ``CUBLAS_FROM_M_OVER_L2``, for
-    small weights ``CUBLAS_FROM_M_SMALL``) dequantize to A's dtype and call cuBLAS."""
+    """M past the GEMV (``gemv_max_m``): the mma.sync GEMM (deterministic split-K), or from
+    the measured crossover (``gemm_table.CUBLAS_FROM_M``, for weights over the L2
+    ``CUBLAS_FROM_M_OVER_L2``, for small weights ``CUBLAS_FROM_M_SMALL``) dequantize to A's
+    dtype and call cuBLAS."""
     from . import gemm_dispatch
 
     M = A.numel() // K

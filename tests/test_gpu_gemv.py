@@ -1,4 +1,4 @@
-"""GEMV (M <= 8; M <= 32 in row sets on small weights) on the GPU against the float32
+"""GEMV (M <= 8; M <= 48 in row sets on small weights) on the GPU against the float32
 reference of the dequantized weight."""
 
 import os
@@ -82,16 +82,16 @@ def test_gemv_alternating_shapes_match_fresh_calls(weights):
             assert torch.equal(kbit_cute.gemm(inputs[c], weights[c[:3]]), fresh[c]), c
 
 
-ROW_SET_MS = (9, 12, 16, 17, 24, 32)
+ROW_SET_MS = (9, 12, 16, 17, 24, 32, 41, 48)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("K,N", SHAPES)
 def test_row_sets_match_reference(K, N, k, dtype, weights):
-    """M = 9..32 on the weights the GEMV serves them for (``ops.gemv_max_m``): sets of 8
-    rows (the last one partial at 9, 12, 17), into a NaN-poisoned out, bit-identical on a
-    second call."""
+    """M = 9..48 on the weights the GEMV serves them for (``ops.gemv_max_m``): sets of 8
+    rows (the last one partial at 9, 12, 17, 41), into a NaN-poisoned out, bit-identical on
+    a second call."""
     qw = weights[(K, N, k)]
     served = [M for M in ROW_SET_MS if M <= ops.gemv_max_m(N, K)]
     assert served, "every shape here is small enough for row sets"

@@ -1,6 +1,6 @@
-"""GEMM for M >= 5 (``kbit_cute.gemm`` sends it M > 8) with mma.sync: out[M, N] = A[M, K] @
-W^T, W in the tiled kbit format. (``gemm_wgmma.WgmmaGemmKernel``: the same kernel on
-Hopper's warpgroup MMA, config suffix "g".)
+"""GEMM for M >= 5 (``kbit_cute.gemm`` sends it M > ``ops.gemv_max_m``) with mma.sync:
+out[M, N] = A[M, K] @ W^T, W in the tiled kbit format. (``gemm_wgmma.WgmmaGemmKernel``: the
+same kernel on Hopper's warpgroup MMA, config suffix "g".)
 
 Mainloop (after the CUTLASS Ampere multistage GEMM, tensorop_gemm.py) over a stream-K
 schedule: the (TILE_M x TILE_N output tile, TILE_K slice of K) units are split into equal
