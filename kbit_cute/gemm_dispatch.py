@@ -1,5 +1,5 @@
 """Host side of the mma.sync GEMM (``kbit_cute.gemm`` sends it M > 8, on small weights
-M > 16..32: ``ops.gemv_max_m``): tiling and stream-K worker choice, split-K buffers, launch.
+M > 16..64: ``ops.gemv_max_m``): tiling and stream-K worker choice, split-K buffers, launch.
 
 ``gemm_mma(A2d, qw, bias, out)`` runs ``kernels/gemm.py`` on CUDA tensors. The tiling and
 the worker count come from the measured table ``kernels/gemm_table.py`` (rows by k and M,

@@ -239,23 +239,30 @@ def _(packed, absmax, codebook, scale, k, N, K, dtype, out):
 
 GEMV_MAX_M = 8  # the GEMV's mma has 8 activation columns; larger M goes to the GEMM,
 _M_BUCKET = (0, 1, 2, 4, 4, 8, 8, 8, 8)  # M -> the compiled rows bucket of the GEMV
-# except on small weights, where the GEMV's rows bucket 8 serves up to 48 rows in sets of 8
+# except on small weights, where the GEMV's rows bucket 8 serves up to 64 rows in sets of 8
 # (``GemvKernel.row_sets``), each set a grid of its own on 1 / sets of the SMs. (weight
-# elements, most rows): up to that size, that many rows. Measured on the H100 against the
+# elements, largest k, most rows): up to that size and k, that many rows. Measured on the
+# H100 against the
 # previous dispatch (GEMM or dequantize + cuBLAS), k = 2..5 (session 38, perf/NOTES.md): at
 # M = 9..32 on nine weights of 1M-25M elements row sets 1.02-1.77x faster up to 8.4M
 # elements at M <= 32 and 10.5M at M <= 24, 1.06-1.35x on 16.8M (2048 x 8192) at M <= 16;
 # 25M (2048 x 12288) ties at M <= 16 and loses beyond, as does every larger weight (4096 x
 # 14336 at M = 16: 0.75-0.80x); at M = 40, 48, 64 on six weights of 1M-4.2M elements 1.00-1.75x
 # up to M = 48, at M = 64 1.07-1.38x for k <= 4 but 0.93-1.15x for k = 5.
-GEMV_ROW_SETS = ((1 << 22, 48), (1 << 23, 32), (10 << 20, 24), (1 << 24, 16))
+GEMV_ROW_SETS = (
+    (1 << 22, 4, 64),
+    (1 << 22, 5, 48),
+    (1 << 23, 5, 32),
+    (10 << 20, 5, 24),
+    (1 << 24, 5, 16),
+)
 
 
-def gemv_max_m(N: int, K: int) -> int:
-    """The most rows M the GEMV serves for a weight [N, K] (``GEMV_ROW_SETS``); larger M
-    goes to the GEMM."""
-    for elements, rows in GEMV_ROW_SETS:
-        if N * K <= elements:
+def gemv_max_m(N: int, K: int, k: int) -> int:
+    """The most rows M the GEMV serves for a k-bit weight [N, K] (``GEMV_ROW_SETS``); larger
+    M goes to the GEMM."""
+    for elements, largest_k, rows in GEMV_ROW_SETS:
+        if N * K <= elements and k <= largest_k:
             return rows
     return GEMV_MAX_M
 
@@ -746,7 +753,7 @@ class _GemvPlan:
 
     def __init__(self, k: int, N: int, K: int, dtype: torch.dtype, sm_count: int):
         self.k, self.N, self.K, self.dtype = k, N, K, dtype
-        self.max_m = gemv_max_m(N, K)
+        self.max_m = gemv_max_m(N, K, k)
         # launch forms (rows bucket, row sets), each set's grid on 1 / sets of the SMs
         forms = {gemv_rows(M) for M in range(1, self.max_m + 1)}
         sms = {f: sm_count // f[1] for f in forms}
@@ -855,7 +862,7 @@ def gemm(
     """out[..., N] = A[..., K] @ W^T (+ bias), W a ``KbitWeight``; output in A's dtype.
 
     M = product of A's leading dims. On CUDA (fp16/bf16) M <= 8 runs the GEMV
-    kernel (on small weights up to M = 32, in row sets: ``gemv_max_m``); larger M the
+    kernel (on small weights up to M = 64, in row sets: ``gemv_max_m``); larger M the
     mma.sync GEMM (or dequantize + cuBLAS from the measured crossover). On the CPU:
     dequantize + matmul. ``out``: a contiguous [..., N] tensor of A's dtype that shares no
     memory with A or bias.
@@ -1095,7 +1102,9 @@ def _launch_gemv(fn, A, packed, absmax, codebook, scale, bias, out, scratch, M, 
 def _gemv(A, qw: KbitWeight, bias, out, M: int, workers: int | None = None):
     """The GEMV on CUDA tensors with an explicit stream-K worker count (benchmarks, tests)."""
     dev = A.get_device()
-    _plan(qw.packed, qw.absmax, qw.codebook, qw.scale, qw.k, qw.N, qw.K, dev, A.dtype)
+    plan = _plan(qw.packed, qw.absmax, qw.codebook, qw.scale, qw.k, qw.N, qw.K, dev, A.dtype)
+    if not 1 <= M <= plan.max_m:
+        raise ValueError(f"the GEMV serves 1..{plan.max_m} rows of this weight, got M={M}")
     args = (A, qw.packed, qw.absmax, qw.codebook, qw.scale, qw.k, qw.N, qw.K, bias, out, M)
     return _gemv_launch(*args, workers, dev)
 

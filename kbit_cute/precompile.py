@@ -40,7 +40,7 @@ def select_specs(
 ):
     """Registered variants for ``arch`` (default: the compile target) whose name tokens
     (``k4``, ``m1``, ``f16`` ...) are in the given sets; a name without such a token (e.g. no
-    ``m``) passes that filter, and the GEMV's row-set variants (suffix ``r``, M = 9..48 on
+    ``m``) passes that filter, and the GEMV's row-set variants (suffix ``r``, M = 9..64 on
     small weights) pass for any m over 8. ``kernels``: name prefixes (``gemv``,
     ``dequantize`` ...), default all."""
     from .kernels import all_specs
@@ -141,7 +141,7 @@ def warmup(
     """Compile (into the disk cache, in parallel) and load (into this process) the variants
     a model will call, so no call pays a JIT. E.g. ``kbit_cute.warmup(k=4, dtypes=torch.bfloat16,
     m=1)`` for batch-1 decode of a k=4 bf16 model. ``m``: the GEMV's rows buckets (1, 2, 4,
-    8); any m over 8 adds its row-set variants (M = 9..48 on small weights); the GEMM's
+    8); any m over 8 adds its row-set variants (M = 9..64 on small weights); the GEMM's
     variants carry no m. Returns counts and timings."""
     from .compile import launcher, target_arch
 
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         nargs="+",
         default=[1, 2, 4, 8, 16],
-        help="rows buckets; any m over 8 takes the GEMV row sets (M = 9..48)",
+        help="rows buckets; any m over 8 takes the GEMV row sets (M = 9..64)",
     )
     p.add_argument("--kernels", nargs="+", help="name prefixes, e.g. gemv dequantize")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)

@@ -177,6 +177,8 @@ def main() -> None:
     p.add_argument("--cta-groups", choices=["auto", "on", "off"], default="auto",
                    help="GEMV variants with CTA groups: the library's rule, always, never")  # fmt: skip
     args = p.parse_args()
+    if not all(1 <= M <= len(_M_BUCKET) - 1 for M in args.m):
+        p.error(f"--m: this tool times the GEMV's rows buckets, M = 1..{len(_M_BUCKET) - 1}")
     global CTA_GROUPS
     CTA_GROUPS = args.cta_groups
     variants = []

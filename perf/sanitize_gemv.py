@@ -1,6 +1,6 @@
 """One GEMV call per k (stream-K runs that end inside column tiles, so the split-K slots
 and the owners' polling are exercised; CTA groups; runs across strips on the ``crossing``
-variants, k = 3's skewed runs; row sets at M = 9..48), for
+variants, k = 3's skewed runs; row sets at M = 9..64), for
 ``compute-sanitizer --tool memcheck|racecheck python -m perf.sanitize_gemv``."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def main() -> None:
     qw = kbit_cute.quantize(torch.randn(18944, 8192, device="cuda"), 3)
     A = torch.randn(1, 8192, device="cuda", dtype=torch.float16)
     run_gemv(A, qw, torch.empty(1, 18944, device="cuda", dtype=torch.float16), 924, crossing=True)
-    # Row sets (M = 9..48 on small weights): partial strips in every set (13 workers), the
+    # Row sets (M = 9..64 on small weights): partial strips in every set (13 workers), the
     # library's grids with CTA groups (2048x5120) and without (1056x1000), a partial last set.
     for k in (2, 3, 4, 5):
         for K, N, M in ((1056, 1000, 12), (1056, 1000, 48), (2048, 5120, 24)):

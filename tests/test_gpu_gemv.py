@@ -1,4 +1,4 @@
-"""GEMV (M <= 8; M <= 48 in row sets on small weights) on the GPU against the float32
+"""GEMV (M <= 8; M <= 64 in row sets on small weights) on the GPU against the float32
 reference of the dequantized weight."""
 
 import os
@@ -82,18 +82,18 @@ def test_gemv_alternating_shapes_match_fresh_calls(weights):
             assert torch.equal(kbit_cute.gemm(inputs[c], weights[c[:3]]), fresh[c]), c
 
 
-ROW_SET_MS = (9, 12, 16, 17, 24, 32, 41, 48)
+ROW_SET_MS = (9, 12, 16, 17, 24, 32, 41, 48, 57, 64)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("K,N", SHAPES)
 def test_row_sets_match_reference(K, N, k, dtype, weights):
-    """M = 9..48 on the weights the GEMV serves them for (``ops.gemv_max_m``): sets of 8
-    rows (the last one partial at 9, 12, 17, 41), into a NaN-poisoned out, bit-identical on
-    a second call."""
+    """M = 9..64 on the weights the GEMV serves them for (``ops.gemv_max_m``): sets of 8
+    rows (the last one partial at 9, 12, 17, 41, 57), into a NaN-poisoned out, bit-identical
+    on a second call."""
     qw = weights[(K, N, k)]
-    served = [M for M in ROW_SET_MS if M <= ops.gemv_max_m(N, K)]
+    served = [M for M in ROW_SET_MS if M <= ops.gemv_max_m(N, K, k)]
     assert served, "every shape here is small enough for row sets"
     for M in served:
         A = torch.randn(M, K, device="cuda", dtype=dtype)
@@ -117,7 +117,7 @@ def test_row_sets_leading_dims_bias_and_alternating_m(dtype, weights):
     assert got.shape == (2, 12, N)
     assert rel_err(got.view(24, N), reference(A.view(24, K), qw, bias)) < TOL[dtype]
     big = kbit_cute.quantize(torch.randn(14336, 4096, device="cuda") * 0.05, k)
-    assert ops.gemv_max_m(14336, 4096) == ops.GEMV_MAX_M < 16 <= ops.gemv_max_m(N, K)
+    assert ops.gemv_max_m(14336, 4096, k) == ops.GEMV_MAX_M < 16 <= ops.gemv_max_m(N, K, k)
     cases = [(qw, M) for M in (32, 3, 16, 9, 1, 24, 17)] + [(big, 16), (big, 4)]
     inputs = {i: torch.randn(M, c.K, device="cuda", dtype=dtype) for i, (c, M) in enumerate(cases)}
     fresh = {i: kbit_cute.gemm(inputs[i], cases[i][0]).clone() for i in inputs}

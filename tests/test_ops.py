@@ -437,13 +437,13 @@ def test_each_stream_gets_its_own_zeroed_counters(fake_gpu, gen):
 
 
 def test_rows_over_8_on_small_weights_run_the_gemv_in_row_sets(fake_gpu, gen):
-    """M = 9..48 on a weight of at most 2^22 elements: the GEMV's rows bucket 8 in ceil(M / 8)
+    """M = 9..64 on a k = 4 weight of at most 2^22 elements: the GEMV's rows bucket 8 in ceil(M / 8)
     row sets (the variant with ``row_sets``), each set's grid that of 132 / sets SMs, the
     scratch holding every set's slots and counters."""
     calls, _ = fake_gpu
     k, dtype, N, K = 4, torch.float16, 512, 2048
     w = fake_weight(gen, N, K, k, dtype)
-    for M, sets in ((9, 2), (16, 2), (17, 3), (32, 4), (48, 6), (8, 1)):
+    for M, sets in ((9, 2), (16, 2), (17, 3), (32, 4), (48, 6), (64, 8), (8, 1)):
         for _ in range(2):  # the first call plans; then the hot path
             calls.clear()
             ops._fake_gpu_specs.clear()
@@ -457,16 +457,17 @@ def test_rows_over_8_on_small_weights_run_the_gemv_in_row_sets(fake_gpu, gen):
             assert state.counters.numel() >= sets * N // 32
         if sets > 1:  # (loaded on the plan's first call of this M)
             plan = ops._gemv_plans[(k, N, K, 7, dtype)]
-            assert plan.by_m[M][0] is not None and plan.max_m == 48
+            assert plan.by_m[M][0] is not None and plan.max_m == 64
 
 
 def test_gemv_row_set_rule():
     """The most rows the GEMV serves by weight size (``ops.GEMV_ROW_SETS``), and the launch
     form of each M."""
-    assert ops.gemv_max_m(512, 2048) == 48 and ops.gemv_max_m(2048, 2048) == 48
-    assert ops.gemv_max_m(4096, 2048) == 32
-    assert ops.gemv_max_m(5120, 2048) == 24 and ops.gemv_max_m(8192, 2048) == 16
-    assert ops.gemv_max_m(12288, 2048) == ops.GEMV_MAX_M == 8
+    assert ops.gemv_max_m(512, 2048, 4) == 64 and ops.gemv_max_m(2048, 2048, 2) == 64
+    assert ops.gemv_max_m(512, 2048, 5) == 48 and ops.gemv_max_m(2048, 2048, 5) == 48
+    assert ops.gemv_max_m(4096, 2048, 2) == 32 == ops.gemv_max_m(4096, 2048, 5)
+    assert ops.gemv_max_m(5120, 2048, 3) == 24 and ops.gemv_max_m(8192, 2048, 4) == 16
+    assert ops.gemv_max_m(12288, 2048, 2) == ops.GEMV_MAX_M == 8
     assert [ops.gemv_rows(M) for M in (1, 3, 8, 9, 16, 17, 32, 48)] == [
         (1, 1), (4, 1), (8, 1), (8, 2), (8, 2), (8, 3), (8, 4), (8, 6)
     ]  # fmt: skip

@@ -1,4 +1,4 @@
-"""GEMV for M = 1..8 (and up to 48 in row sets of 8): out[M, N] = A[M, K] @ W^T, W in the
+"""GEMV for M = 1..8 (and up to 64 in row sets of 8): out[M, N] = A[M, K] @ W^T, W in the
 tiled kbit format, on tensor cores.
 
 Decode is bound by streaming W, and the issue rate, not the loads, is what limits a
@@ -261,7 +261,7 @@ class GemvKernel:
     # ceil(M / m) sets of m rows, the launch grid's y (``row_set_views``). Each set is the
     # stream-K grid of its own rows, with its own workspace slots and counters, and
     # dequantizes the weight again (read from L2 where the sets run side by side): for small
-    # weights, whose calls are latency-bound, faster than the GEMM at M = 9..48
+    # weights, whose calls are latency-bound, faster than the GEMM at M = 9..64
     # (``ops.GEMV_ROW_SETS``). A variant of its own: in the plain m = 8 variants the views'
     # pointers cost registers (k = 5: 96 -> 110).
     ROW_SETS_M = 8
@@ -1781,7 +1781,7 @@ def specs(arch: str | None = None):
             for d in _DTYPES
             if sm90
         ]
-        + [  # row sets (M = 9..48 on small weights, ``ops.gemv_max_m``): every lookup and
+        + [  # row sets (M = 9..64 on small weights, ``ops.gemv_max_m``): every lookup and
             # ring depth the m = 8 bucket takes, with and without CTA groups
             gemv_spec(k, GemvKernel.ROW_SETS_M, d, st, lk, cta_groups=groups, row_sets=True)
             for k in (2, 3, 4, 5)
