@@ -242,13 +242,12 @@ _M_BUCKET = (0, 1, 2, 4, 4, 8, 8, 8, 8)  # M -> the compiled rows bucket of the 
 # except on small weights, where the GEMV's rows bucket 8 serves up to 64 rows in sets of 8
 # (``GemvKernel.row_sets``), each set a grid of its own on 1 / sets of the SMs. (weight
 # elements, largest k, most rows): up to that size and k, that many rows. Measured on the
-# H100 against the
-# previous dispatch (GEMM or dequantize + cuBLAS), k = 2..5 (session 38, perf/NOTES.md): at
-# M = 9..32 on nine weights of 1M-25M elements row sets 1.02-1.77x faster up to 8.4M
-# elements at M <= 32 and 10.5M at M <= 24, 1.06-1.35x on 16.8M (2048 x 8192) at M <= 16;
-# 25M (2048 x 12288) ties at M <= 16 and loses beyond, as does every larger weight (4096 x
-# 14336 at M = 16: 0.75-0.80x); at M = 40, 48, 64 on six weights of 1M-4.2M elements 1.00-1.75x
-# up to M = 48, at M = 64 1.07-1.38x for k <= 4 but 0.93-1.15x for k = 5.
+# H100 against the previous dispatch (GEMM or dequantize + cuBLAS), k = 2..5 (session 38,
+# perf/NOTES.md): at M = 9..32 on nine weights of 1M-25M elements row sets 1.02-1.77x faster
+# up to 8.4M elements at M <= 32 and 10.5M at M <= 24, 1.06-1.35x on 16.8M (2048 x 8192) at
+# M <= 16; 25M (2048 x 12288) ties at M <= 16 and loses beyond, as does every larger weight
+# (4096 x 14336 at M = 16: 0.75-0.80x); at M = 40, 48, 64 on six weights of 1M-4.2M elements
+# 1.00-1.75x up to M = 48, at M = 64 1.07-1.38x for k <= 4 but 0.93-1.15x for k = 5.
 GEMV_ROW_SETS = (
     (1 << 22, 4, 64),
     (1 << 22, 5, 48),
