@@ -109,7 +109,7 @@ def install_mock(K: int, N: int, k: int, dtype: torch.dtype, sm_count: int = 132
     spec = gemv_spec(k, 1, dtype_name, stages, lookup, crossing=crossing)
     params = kc.kernel_params(spec)
     stub = kc.make_launch(spec.name, params, lambda *a: None, stream_arg=True)
-    ops._gemv_launchers[(k, 1, dtype, lookup, stages, False, crossing)] = stub
+    ops._gemv_launchers[(k, 1, dtype, lookup, stages, False, crossing, False)] = stub
     ops._current_device = lambda: -1
     ops._raw_stream = lambda dev: 0
     kdev.scratch_tensor = lambda index, n, dt, fill_byte=None: torch.zeros(n, dtype=dt)
