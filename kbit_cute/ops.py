@@ -746,7 +746,7 @@ class _GemvPlan:
     first use of that M) and stream-K grid, and per stream split-K scratch big enough for
     every M."""
 
-    __slots__ = ("k", "N", "K", "dtype", "variants", "words", "codes", "bias_shape", "strips")
+    __slots__ = ("k", "N", "K", "dtype", "variants", "words", "codes", "bias_shape")
     __slots__ += ("max_m", "grids", "groups", "crossing", "counters")
     __slots__ += ("ws_elems", "by_m", "scratch")
 
@@ -761,8 +761,8 @@ class _GemvPlan:
         self.words = tiled_sizes(k, N, K)[0]
         self.codes = 1 << k
         self.bias_shape = torch.Size((N,))
-        self.strips = -(-N // 128) * 4  # split-K counters: one per 32-column strip
-        self.counters = self.strips * max(sets for _, sets in forms)  # (each set its own)
+        # split-K counters: one per 32-column strip and row set (``row_set_views``)
+        self.counters = -(-N // 128) * 4 * max(sets for _, sets in forms)
         # (workers, ctas) per form
         self.grids = {
             f: gemv_grid(k, f[0], dtype, N, K, sms[f], variant=self.variants[f]) for f in forms

@@ -20,7 +20,7 @@ from kbit_cute.format import dequantize as dequantize_reference
 from kbit_cute.format import quantize
 from kbit_cute.kernels.device_helpers import EMPTY_SLOT
 from kbit_cute.kernels.gemv import _DTYPES, COLS_PER_GROUP, GemvKernel, gemv_spec
-from kbit_cute.ops import _M_BUCKET, gemv_crossing, gemv_cta_groups, kernel_grid
+from kbit_cute.ops import _M_BUCKET, GEMV_MAX_M, gemv_crossing, gemv_cta_groups, kernel_grid
 from perf.common import copies_for, graph_time_us, read_bandwidth_gbs
 
 _NAMES = {torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -177,8 +177,8 @@ def main() -> None:
     p.add_argument("--cta-groups", choices=["auto", "on", "off"], default="auto",
                    help="GEMV variants with CTA groups: the library's rule, always, never")  # fmt: skip
     args = p.parse_args()
-    if not all(1 <= M <= len(_M_BUCKET) - 1 for M in args.m):
-        p.error(f"--m: this tool times the GEMV's rows buckets, M = 1..{len(_M_BUCKET) - 1}")
+    if not all(1 <= M <= GEMV_MAX_M for M in args.m):
+        p.error(f"--m: this tool times the GEMV's rows buckets, M = 1..{GEMV_MAX_M}")
     global CTA_GROUPS
     CTA_GROUPS = args.cta_groups
     variants = []
