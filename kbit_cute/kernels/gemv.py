@@ -495,7 +495,9 @@ class GemvKernel:
         cta, row_set, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
         if cutlass.const_expr(self.row_sets):
-            mA, mOut, mWs, pCounters = self.row_set_views(mA, mOut, mWs, pCounters, row_set)
+            mA, mOut, mWs, pCounters = self.row_set_views(
+                mA, mOut, mWs, pCounters, row_set, n_tiles
+            )
         # warp_idx() is warp-uniform to the compiler: the schedule's values below then live
         # in uniform registers, not in the 64 per thread.
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
@@ -616,9 +618,10 @@ class GemvKernel:
         let_next_kernel_start(self.pdl)
 
     @cute.jit
-    def row_set_views(self, mA, mOut, mWs, pCounters, row_set):
+    def row_set_views(self, mA, mOut, mWs, pCounters, row_set, n_tiles):
         """Row set ``row_set``'s A and out rows (m of them, fewer in the last set), and its
-        own workspace slots and split-K counters: past the sets before it."""
+        own workspace slots and split-K counters (one per warp strip of the ``n_tiles``
+        column tiles): past the sets before it."""
         M, K = mA.shape
         N = mOut.shape[1]
         first = row_set * self.m
@@ -628,7 +631,6 @@ class GemvKernel:
             mOut.iterator + first * N, cute.make_layout((rows, N), stride=(N, 1))
         )
         mWs = cute.make_tensor(mWs.iterator + row_set * cute.cosize(mWs.layout), mWs.layout)
-        n_tiles = (N + TILE_N - 1) // TILE_N
         return mA, mOut, mWs, pCounters + row_set * (n_tiles * WARPS)
 
     @cute.jit
