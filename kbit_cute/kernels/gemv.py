@@ -120,6 +120,14 @@ THREAD_K = BLOCK // 2  # a thread's K run per tile: half of one block
 # flight then cost no registers (a register ring capped them near 16 KB per SM, which by
 # Little's law held the stream to ~2 TB/s), and a warp syncs only with itself.
 STAGES = {2: 3, 3: 3, 4: 3, 5: 3}
+# Deeper rings where they measured faster on sm_90 (H100), by (k, rows bucket): k = 3 at M = 2
+# with 4 stages was 2-4.5% faster on all eight shapes timed (session 39, medians of three
+# passes, us, 3 -> 4 stages: 8192x28672 40.00 -> 38.60, 28672x8192 38.31 -> 37.07, 4096x14336
+# 12.11 -> 11.89, 14336x4096 12.25 -> 11.70, 3584x18944 14.27 -> 13.68, 5120x13824 14.16 ->
+# 13.74, 2048x10240 6.54 -> 6.38, 10240x2048 6.32 -> 6.22). Not taken: k = 3 at M = 4 (0.98-1.01x),
+# M = 1 (8192x28672 37.1 -> 37.7), k = 2 at M = 2 (1.00-1.05x), k = 4 (0.91x on 10240x2048 at
+# M = 4, 1.06x on 8192x28672: no rule by shape from eight points).
+RING_STAGES_SM90 = {(3, 2): 4}
 # Lookups in registers (what a CTA of one quad uses, e.g. the grouped MoE kernel) and the
 # GEMV's defaults: the shared-memory pair table wherever it serves k (see GemvKernel).
 LOOKUP = {2: "pair_shuffle", 3: "byte_tables", 4: "shuffle", 5: "shuffle"}
@@ -302,7 +310,8 @@ class GemvKernel:
         skew = QUAD_SKEW.get(k, 0.0) if crossing else 0.0
         self.skew16 = round(skew / 2 * 65536)
         # K tiles in flight per warp, in its shared-memory ring (see STAGES).
-        self.stages = stages or STAGES[k]
+        sm90_stages = RING_STAGES_SM90.get((k, m)) if target_arch_family() == "sm_90" else None
+        self.stages = stages or sm90_stages or STAGES[k]
         # How indices become values. Issue slots and the integer ALU pipe (half the issue
         # rate) are what these kernels run out of, so each k takes the lookup with the
         # fewest instructions per weight:
