@@ -820,3 +820,22 @@ def test_gemv_grid_takes_full_ctas_where_they_nearly_fill_the_gpu():
         assert ops.gemv_grid(k, 1, torch.float16, 28672, 8192, 132, workers=896) == (896, ctas)
     assert ops.gemv_grid(4, 1, torch.float16, 28672, 8192, 132) == (896, 128)
     assert ops.gemv_grid(4, 1, torch.float16, 14336, 4096, 132) == (448, 132)
+
+
+def test_gemv_ring_depth_by_k_and_rows_bucket(monkeypatch):
+    """k = 3 at M = 2 keeps 4 K tiles in its ring on sm_90 (``gemv.RING_STAGES_SM90``, with
+    CTA groups too); every other GEMV its k's ``STAGES``, an explicit depth wins, and sm_80
+    (163 KB: a deeper ring would cost quads, unmeasured) keeps ``STAGES`` throughout."""
+    import cutlass
+
+    from kbit_cute.kernels import gemv
+
+    def depth(k, m, **kw):
+        return gemv.GemvKernel(k, m, cutlass.Float16, **kw).stages
+
+    assert depth(3, 2) == depth(3, 2, cta_groups=True) == 4
+    others = [(k, m) for k in (2, 3, 4, 5) for m in gemv.M_BUCKETS if (k, m) != (3, 2)]
+    assert [depth(k, m) for k, m in others] == [gemv.STAGES[k] for k, _ in others]
+    assert depth(3, 2, stages=3) == 3
+    monkeypatch.setattr(gemv, "target_arch_family", lambda: "sm_80")
+    assert depth(3, 2) == gemv.STAGES[3] == 3
