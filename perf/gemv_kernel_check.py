@@ -3,7 +3,10 @@ depths and lookup variants (no dispatch rule): ``python -m perf.gemv_kernel_chec
 
 For kernel work: it checks every k x dtype x M on a few shapes (odd ones included, with
 and without split-K) against the float32 reference, then times the large shapes for a
-list of split counts next to cuBLAS fp16 in the same run.
+list of split counts next to cuBLAS fp16 in the same run. ``--passes N`` times every
+configuration of a (shape, k, M) N times round robin and reports the median, so that a
+drift of the clock or the power state hits each alike (a ring-depth or variant A/B in one
+process).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 
 import torch
 from tabulate import tabulate
@@ -116,7 +120,19 @@ def check(variants=((None, None),)) -> list:
     return rows
 
 
-def bench(split_options, ks, Ms, shapes, stage_options=(None,), variants=((None, None),)) -> list:
+def round_robin(configs, time_one, passes: int) -> dict:
+    """{config: [us of each pass]}: every config timed once per pass, the passes one after
+    the other, so that a drift of the GPU's clock or power state reaches every config."""
+    times = {c: [] for c in configs}
+    for _ in range(passes):
+        for c in configs:
+            times[c].append(time_one(c))
+    return times
+
+
+def bench(
+    split_options, ks, Ms, shapes, stage_options=(None,), variants=((None, None),), passes=1
+) -> list:
     bw = read_bandwidth_gbs()
     rows, recs = [], []
     for K, N in shapes:
@@ -140,26 +156,33 @@ def bench(split_options, ks, Ms, shapes, stage_options=(None,), variants=((None,
                 A = torch.randn(M, K, device="cuda", dtype=torch.float16)
                 out = torch.empty(M, N, device="cuda", dtype=torch.float16)
                 combos = [
-                    (s, st, v) for s in split_options for st in stage_options for v in variants
+                    (s, st, v)
+                    for s in split_options
+                    for st in stage_options
+                    for v in variants
+                    if not v[0] or GemvKernel.lookup_fits(v[0], k)
                 ]
-                for splits, st, (lk, wk) in combos:
-                    if lk and not GemvKernel.lookup_fits(lk, k):
-                        continue
-                    t = graph_time_us(
-                        lambda i, A=A, out=out, s=splits, st=st, lk=lk, wk=wk: (
-                            lambda: run_gemv(A, qws[i], out, s, st, lk, wk)
-                        ),
-                        nq,
+
+                def time_one(combo, A=A, out=out, qws=qws, nq=nq):
+                    s, st, (lk, wk) = combo
+                    return graph_time_us(
+                        lambda i: lambda: run_gemv(A, qws[i], out, s, st, lk, wk), nq
                     )
+
+                for (splits, st, (lk, wk)), ts in round_robin(combos, time_one, passes).items():
+                    t = statistics.median(ts)
                     gbs = qw.nbytes / (t * 1e3)
                     recs.append(dict(K=K, N=N, k=k, M=M, workers=splits, stages=st, lookup=lk,
-                                     quads=wk, us=t, pct=100 * gbs / bw, cublas=t_cublas[M]))  # fmt: skip
+                                     quads=wk, us=t, us_passes=ts, pct=100 * gbs / bw,
+                                     cublas=t_cublas[M]))  # fmt: skip
                     rows.append([f"{K}x{N}", k, M, splits, st, f"{lk or ''}/{wk or ''}", f"{t:.2f}", f"{qw.nbytes / bw / 1e3:.1f}",
-                                 f"{100 * gbs / bw:.0f}%", f"{t_cublas[M]:.1f}", f"{t_cublas[M] / t:.2f}x"])  # fmt: skip
+                                 f"{100 * gbs / bw:.0f}%", f"{t_cublas[M]:.1f}", f"{t_cublas[M] / t:.2f}x"]
+                                + ([f"{min(ts):.2f}-{max(ts):.2f}"] if passes > 1 else []))  # fmt: skip
 
     print(f"read bandwidth {bw:.0f} GB/s")
     print(tabulate(rows, headers=["KxN", "k", "M", "workers", "stages", "lookup/quads", "us", "floor us", "% BW", "cuBLAS us",
-                                  "vs cuBLAS"], tablefmt="github"))  # fmt: skip
+                                  "vs cuBLAS"] + (["passes min-max us"] if passes > 1 else []),
+                   tablefmt="github"))  # fmt: skip
     return recs
 
 
@@ -174,6 +197,8 @@ def main() -> None:
     p.add_argument("--stages", type=int, nargs="+", default=[None])
     p.add_argument("--variants", nargs="+", default=["default"],
                    help="lookup/quads pairs, e.g. pair_table/8 shuffle/1 default")  # fmt: skip
+    p.add_argument("--passes", type=int, default=1,
+                   help="time each configuration this many times, round robin; us = the median")  # fmt: skip
     p.add_argument("--cta-groups", choices=["auto", "on", "off"], default="auto",
                    help="GEMV variants with CTA groups: the library's rule, always, never")  # fmt: skip
     args = p.parse_args()
@@ -188,7 +213,9 @@ def main() -> None:
     if not args.no_check:
         check(variants)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
-    recs = bench(args.workers, args.k, args.m, shapes, args.stages, variants)
+    if args.passes < 1:
+        p.error("--passes: at least 1")
+    recs = bench(args.workers, args.k, args.m, shapes, args.stages, variants, args.passes)
     with open(os.path.join(os.environ.get("OUT", "."), "gemv_kernel_check.json"), "w") as f:
         json.dump(recs, f)
 

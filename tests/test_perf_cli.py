@@ -128,3 +128,30 @@ def test_host_overhead_mock_runs_without_a_gpu(tmp_path):
     rows = json.loads(out.read_text())
     text = json.dumps(rows)
     assert "launcher, stream given" in text and "KbitLinear" in text
+
+
+def test_gemv_kernel_check_times_configs_round_robin():
+    """``--passes N``: every configuration once per pass, the passes in turn (a drift of the
+    clock reaches each alike), N times each; the median is what the table shows."""
+    from perf.gemv_kernel_check import round_robin
+
+    calls = []
+    fake_us = {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 4.0, 6.0])}
+
+    def time_one(config):
+        calls.append(config)
+        return next(fake_us[config])
+
+    times = round_robin(["a", "b"], time_one, 3)
+    assert calls == ["a", "b"] * 3
+    assert times == {"a": [3.0, 1.0, 2.0], "b": [5.0, 4.0, 6.0]}
+    assert round_robin(["a"], lambda c: 7.0, 1) == {"a": [7.0]}
+
+
+def test_gemv_kernel_check_refuses_zero_passes(monkeypatch, capsys):
+    from perf import gemv_kernel_check
+
+    monkeypatch.setattr("sys.argv", ["gemv_kernel_check", "--no-check", "--passes", "0"])
+    with pytest.raises(SystemExit):
+        gemv_kernel_check.main()
+    assert "--passes" in capsys.readouterr().err
