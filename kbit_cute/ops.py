@@ -761,9 +761,11 @@ class _GemvPlan:
         self.words = tiled_sizes(k, N, K)[0]
         self.codes = 1 << k
         self.bias_shape = torch.Size((N,))
-        # split-K counters: one per 32-column warp strip (4 per column tile) and row set
+        # split-K counters: one per warp strip (WARPS per column tile) and row set
         # (``GemvKernel.row_set_views``)
-        self.counters = -(-N // TILE_N) * 4 * max(sets for _, sets in forms)
+        from .kernels.gemv import WARPS
+
+        self.counters = -(-N // TILE_N) * WARPS * max(sets for _, sets in forms)
         # (workers, ctas) per form
         self.grids = {
             f: gemv_grid(k, f[0], dtype, N, K, sms[f], variant=self.variants[f]) for f in forms

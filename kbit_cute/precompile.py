@@ -44,6 +44,7 @@ def select_specs(
     small weights) pass for any m over 8. ``kernels``: name prefixes (``gemv``,
     ``dequantize`` ...), default all."""
     from .kernels import all_specs
+    from .ops import GEMV_MAX_M
 
     ks = {f"k{int(x)}" for x in ([k] if isinstance(k, int) else k)}
     rows = [int(x) for x in ([m] if isinstance(m, int) else m)]
@@ -56,8 +57,10 @@ def select_specs(
             continue
         k_tok = [t for t in tokens if re.fullmatch(r"k\d", t)]
         m_tok = [t for t in tokens if re.fullmatch(r"m\d+", t)]
-        if tokens[0] == "gemv" and tokens[-1] == "r":  # row sets: M over 8
-            m_tok = [] if any(x > 8 for x in rows) else ["rows over 8"]
+        if tokens[0] == "gemv" and tokens[-1] == "r":  # row sets: they serve M over 8 only
+            if not any(x > GEMV_MAX_M for x in rows):
+                continue
+            m_tok = []
         d_tok = [t for t in tokens if t in ("f16", "bf16", "f32")]
         if all(
             not tok or tok[0] in allowed
