@@ -399,11 +399,20 @@ def gemv_variant(k: int, m_bucket: int, N: int, K: int, sm_count: int):
     kernel's default): the lookup by the weight's size (``gemv.gemv_lookup``); k = 5's table
     kernel with a shallower ring, which holds more quads per CTA (``gemv.MORE_QUADS_STAGES``),
     at the rows buckets ``MORE_QUADS_M`` where the split rule wants more than
-    ``MORE_QUADS_FROM`` workers per SM (measured)."""
+    ``MORE_QUADS_FROM`` workers per SM; k = 4 on sm_90 with a deeper ring
+    (``gemv.DEEP_RING_STAGES``) where the default variant's grid has few, short runs per SM
+    (both measured)."""
+    from .kernels.device_helpers import target_arch_family
     from .kernels.gemv import (
+        _DTYPES,
+        DEEP_RING_M,
+        DEEP_RING_MAX_RUN,
+        DEEP_RING_MAX_WORKERS,
+        DEEP_RING_STAGES,
         MORE_QUADS_FROM,
         MORE_QUADS_M,
         MORE_QUADS_STAGES,
+        GemvKernel,
         default_lookup,
         gemv_lookup,
     )  # fmt: skip
@@ -414,6 +423,13 @@ def gemv_variant(k: int, m_bucket: int, N: int, K: int, sm_count: int):
         want = -(-N // 128) * gemv_splits(N, K, sm_count, m_bucket)
         if want > sm_count * MORE_QUADS_FROM:
             return lookup, MORE_QUADS_STAGES[k]
+    deep = k in DEEP_RING_STAGES and m_bucket in DEEP_RING_M and lookup is None
+    if deep and target_arch_family() == "sm_90":
+        # (the grid does not depend on the dtype)
+        workers, _ = kernel_grid(GemvKernel(k, m_bucket, _DTYPES["f16"]), N, K, sm_count)
+        run = -(-N // 128) * -(-K // 64) / workers  # K tiles per worker
+        if workers <= DEEP_RING_MAX_WORKERS * sm_count and run <= DEEP_RING_MAX_RUN:
+            return lookup, DEEP_RING_STAGES[k]
     return lookup, None
 
 

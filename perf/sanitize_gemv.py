@@ -1,6 +1,6 @@
 """One GEMV call per k (stream-K runs that end inside column tiles, so the split-K slots
 and the owners' polling are exercised; CTA groups; runs across strips on the ``crossing``
-variants, k = 3's skewed runs; row sets at M = 9..64), for
+variants, k = 3's skewed runs; row sets at M = 9..64; k = 4's deeper ring), for
 ``compute-sanitizer --tool memcheck|racecheck python -m perf.sanitize_gemv``."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 import kbit_cute
 from kbit_cute import ops
-from kbit_cute.kernels.gemv import LOOKUP
+from kbit_cute.kernels.gemv import DEEP_RING_STAGES, LOOKUP
 from perf.gemv_kernel_check import run_gemv
 
 
@@ -38,6 +38,8 @@ def main() -> None:
             A = torch.randn(M, K, device="cuda", dtype=dtype)
             out = torch.empty(M, N, device="cuda", dtype=dtype)
             run_gemv(A, qw, out, "s64")
+            if k in DEEP_RING_STAGES:  # k = 4's deeper ring (``ops.gemv_variant``)
+                run_gemv(A, qw, out, "s64", DEEP_RING_STAGES[k])
     gemv_kernel_check.CTA_GROUPS = "auto"
     # The ``crossing`` variants (the ring runs on across a strip's end): runs of 3-4 K tiles
     # over strips of 17 (37 workers), strips of one K tile (every step a crossing), and CTAs

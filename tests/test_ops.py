@@ -839,3 +839,53 @@ def test_gemv_ring_depth_by_k_and_rows_bucket(monkeypatch):
     assert depth(3, 2, stages=3) == 3
     monkeypatch.setattr(gemv, "target_arch_family", lambda: "sm_80")
     assert depth(3, 2) == gemv.STAGES[3] == 3
+
+
+@pytest.mark.parametrize(
+    "K, N, deep",
+    [
+        (10240, 2048, (1, 2, 4)),  # 1.9-2.9 workers per SM, runs of 7-10 K tiles
+        (14336, 4096, (1, 2, 4)),  # 3.9 per SM, runs of 14
+        (2048, 10240, (1,)),  # M = 1 2.4 per SM; M = 2, 4 4.8 per SM
+        (4096, 14336, ()),  # M = 1 runs of 16; M = 2, 4 5.9 per SM
+        (28672, 8192, ()),  # 3.9 per SM, runs of 56
+        (8192, 28672, ()),  # 6.8 per SM
+    ],
+)
+def test_k4_deep_ring_on_grids_of_few_short_runs(K, N, deep, monkeypatch):
+    """k = 4 (``ops.gemv_variant``) takes ``gemv.DEEP_RING_STAGES`` at M = 1, 2, 4 where the
+    default variant's grid has at most 4 workers per SM and runs of at most 14 K tiles; the
+    rows bucket 8, other k and sm_80 keep their rings."""
+    from kbit_cute.kernels import device_helpers
+
+    want = [(None, 4 if m in deep else None) for m in (1, 2, 4, 8)]
+    assert [ops.gemv_variant(4, m, N, K, 132) for m in (1, 2, 4, 8)] == want
+    assert all(ops.gemv_variant(k, m, N, K, 132)[1] != 4 for k in (2, 3, 5) for m in (1, 4))
+    monkeypatch.setattr(device_helpers, "target_arch_family", lambda: "sm_80")
+    assert [ops.gemv_variant(4, m, N, K, 132) for m in (1, 2, 4)] == [(None, None)] * 3
+
+
+def test_k4_deep_ring_plan_launches_its_variant_with_its_grid(fake_gpu, gen):
+    """A k = 4 plan whose rows bucket takes the deeper ring loads that variant (M = 1 on
+    2048x10240) and launches it with the grid of its own quads; M = 2 there keeps 3 stages."""
+    import cutlass
+
+    from kbit_cute.kernels.gemv import GemvKernel
+
+    calls, _ = fake_gpu
+    loaded = []
+    fake_launcher = ops._gemv_launcher
+
+    def recording_launcher(*key):
+        loaded.append(key)
+        return fake_launcher(*key)
+
+    ops._gemv_launcher = recording_launcher  # (the fixture's monkeypatch restores it)
+    K, N = 2048, 10240
+    w = fake_weight(gen, N, K, 4, torch.float16)
+    for M in (1, 2):
+        kbit_cute.gemm(fake(torch.randn(M, K, generator=gen).half()), w)
+    assert [key[4] for key in loaded] == [4, None]
+    for key, args in zip(loaded, calls, strict=True):
+        kernel = GemvKernel(4, key[1], cutlass.Float16, key[4], key[3], cta_groups=key[5])
+        assert args[12:14] == ops.kernel_grid(kernel, N, K, 132)

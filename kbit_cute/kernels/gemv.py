@@ -21,10 +21,10 @@ more than M = 1. What is left per weight is the dequantization into fp16/bf16 pa
   ``pair5_high_bytes``), or by warp shuffles from a table in registers (small k = 5
   weights, sm_80; register lookups also serve k <= 4 in single-quad CTAs, e.g. the grouped
   MoE kernel), times the block's absmax (one 2-wide multiply; the E4M4 byte becomes a
-  half2 scale with one IMAD, ``absmax_x2``). At M <= 4, k = 3, 4 and M = 1, k = 5 (table
-  lookups) the scale comes after the mma instead: its activation columns 2 m + b hold row m
-  masked to block b, and each tile's results are folded with fp32 block scales
-  (``split_blocks``);
+  half2 scale with one IMAD, ``absmax_x2``). At M <= 4, k = 3, 4, M = 1, k = 5 (table
+  lookups) and M = 1, k = 2 (runs across strips) the scale comes after the mma instead:
+  its activation columns 2 m + b hold row m masked to block b, and each tile's results are
+  folded with fp32 block scales (``split_blocks``);
 * mma.sync pairs K positions to registers in a fixed pattern; since the dot product does
   not care about the order of K, each register takes the two weights that the SWAR fields
   deliver side by side, and the activations are permuted to match (one ``prmt`` per pair,
@@ -125,9 +125,23 @@ STAGES = {2: 3, 3: 3, 4: 3, 5: 3}
 # passes, us, 3 -> 4 stages: 8192x28672 40.00 -> 38.60, 28672x8192 38.31 -> 37.07, 4096x14336
 # 12.11 -> 11.89, 14336x4096 12.25 -> 11.70, 3584x18944 14.27 -> 13.68, 5120x13824 14.16 ->
 # 13.74, 2048x10240 6.54 -> 6.38, 10240x2048 6.32 -> 6.22). Not taken: k = 3 at M = 4 (0.98-1.01x),
-# M = 1 (8192x28672 37.1 -> 37.7), k = 2 at M = 2 (1.00-1.05x), k = 4 (0.91x on 10240x2048 at
-# M = 4, 1.06x on 8192x28672: no rule by shape from eight points).
+# M = 1 (8192x28672 37.1 -> 37.7), k = 2 at M = 2 (1.00-1.05x); k = 4 by its grid, below.
 RING_STAGES_SM90 = {(3, 2): 4}
+# k = 4 on sm_90 takes a ring of DEEP_RING_STAGES at the rows buckets DEEP_RING_M where the
+# default variant's grid (``ops.kernel_grid``) has at most DEEP_RING_MAX_WORKERS workers per SM
+# and runs of at most DEEP_RING_MAX_RUN K tiles (``ops.gemv_variant``): with few, short runs
+# per SM a deeper ring is what keeps bytes in flight; many or long runs keep them without it.
+# Session 40, 27 shapes, 3 -> 4 stages (medians of three passes): at most 4 workers per SM and
+# runs of at most 14 K tiles 0.91-1.00x (M = 4: 8192x2048 0.911, 12288x2048 0.915, 10240x2048
+# 0.928; M = 2 0.955-0.987; M = 1 10240x2048 0.948, 5120x2048 0.953, 2048x12288 0.967,
+# 14336x4096 1.002); elsewhere 0.97-1.08x (8192x28672, 6.8 per SM: M = 1 / 2 / 4 1.036 / 1.040 /
+# 1.077; 28672x8192, runs of 56: 1.014; 18944x3584, 7.0 per SM: 1.065 / 1.024; 4096x14336,
+# 5.9 per SM: 1.036 / 1.026; 2048x10240, 4.8 per SM: 0.982 / 0.966). k = 2, 3 at M = 1, 4 on
+# twelve of these shapes: 0.96-1.04x with no pattern; not taken.
+DEEP_RING_STAGES = {4: 4}
+DEEP_RING_M = (1, 2, 4)
+DEEP_RING_MAX_WORKERS = 4
+DEEP_RING_MAX_RUN = 14
 # Lookups in registers (what a CTA of one quad uses, e.g. the grouped MoE kernel) and the
 # GEMV's defaults: the shared-memory pair table wherever it serves k (see GemvKernel).
 LOOKUP = {2: "pair_shuffle", 3: "byte_tables", 4: "shuffle", 5: "shuffle"}
@@ -342,9 +356,15 @@ class GemvKernel:
         # 36). Not taken: k = 2 (its quads cost two multiplies per shared-memory load: 10
         # instructions more), k = 5 at M = 2, 4 (0.98-1.03x, mostly slower), k = 5 with
         # shuffles, sm_80 (k = 3 spilled at its 72-register bound). k = 5's pair table at
-        # M = 1 takes it (not measured without: M = 1 and 2 ran within 1% there).
+        # M = 1 takes it (not measured without: M = 1 and 2 ran within 1% there). k = 2 at
+        # M = 1 in the crossing variant (the one large weights run), which is latency-bound,
+        # not issue-bound (ncu, session 39): 161 instructions per K tile against 147, but no
+        # multiply between each table load and its mma; 8192x28672 30.57 / 31.00 -> 30.07 /
+        # 30.05 us, 28672x8192 29.66 / 30.15 -> 29.43 / 29.68 (alternate processes, session
+        # 40). The plain k = 2 variants spill with it (72 registers).
         self.split_blocks = (
-            (m <= 4 and k in (3, 4) or m == 1 and self.lookup == "pair_table5")
+            (m <= 4 and k in (3, 4) or m == 1 and self.lookup == "pair_table5"
+             or m == 1 and k == 2 and crossing)
             and target_arch_family() == "sm_90"
         )  # fmt: skip
         self.table = self.lookup in TABLE_ENTRY_BYTES  # a shared-memory table per CTA
@@ -1757,6 +1777,16 @@ def default_lookup(k: int) -> str:
     return (GEMV_LOOKUP_SM80 if target_arch_family() == "sm_80" else GEMV_LOOKUP)[k]
 
 
+def _more_quads_stages(k: int, m: int) -> tuple[int, ...]:
+    """k = 5's shallower ring where ``ops.gemv_variant`` may take it (rows buckets)."""
+    return (MORE_QUADS_STAGES[k],) if k in MORE_QUADS_STAGES and m in MORE_QUADS_M else ()
+
+
+def _deep_ring_stages(k: int, m: int, sm90: bool) -> tuple[int, ...]:
+    """k = 4's deeper ring where ``ops.gemv_variant`` may take it (sm_90, rows buckets)."""
+    return (DEEP_RING_STAGES[k],) if sm90 and k in DEEP_RING_STAGES and m in DEEP_RING_M else ()
+
+
 def specs(arch: str | None = None):
     """The GEMV variants the library ships on ``arch`` (default: the compile target)."""
     from ..compile import target_arch
@@ -1776,13 +1806,19 @@ def specs(arch: str | None = None):
             for m in MORE_QUADS_M
             for d in _DTYPES
         ]
+        + [  # k = 4's deeper ring on few, short runs (sm_90)
+            gemv_spec(k, m, d, st)
+            for k, st in DEEP_RING_STAGES.items()
+            for m in DEEP_RING_M
+            for d in _DTYPES
+            if sm90
+        ]
         + [  # CTA groups: the default lookup's (large weights), ring depths as above
             gemv_spec(k, m, d, st, cta_groups=True)
             for k in (2, 3, 4, 5)
             for m in M_BUCKETS
             if m >= GemvKernel.CTA_GROUPS_FROM_M
-            for st in (None, *([MORE_QUADS_STAGES[k]] if k in MORE_QUADS_STAGES else []))
-            if st is None or m in MORE_QUADS_M
+            for st in (None, *_more_quads_stages(k, m), *_deep_ring_stages(k, m, sm90))
             for d in _DTYPES
         ]
         + [  # runs across strips: what ``ops.even_workers`` gives (M = 1, k != 4, sm_90)
