@@ -134,10 +134,11 @@ RING_STAGES_SM90 = {(3, 2): 4}
 # Session 40, 27 shapes, 3 -> 4 stages (medians of three passes): at most 4 workers per SM and
 # runs of at most 14 K tiles 0.91-1.00x (M = 4: 8192x2048 0.911, 12288x2048 0.915, 10240x2048
 # 0.928; M = 2 0.955-0.987; M = 1 10240x2048 0.948, 5120x2048 0.953, 2048x12288 0.967,
-# 14336x4096 1.002); elsewhere 0.97-1.08x (8192x28672, 6.8 per SM: M = 1 / 2 / 4 1.036 / 1.040 /
-# 1.077; 28672x8192, runs of 56: 1.014; 18944x3584, 7.0 per SM: 1.065 / 1.024; 4096x14336,
-# 5.9 per SM: 1.036 / 1.026; 2048x10240, 4.8 per SM: 0.982 / 0.966). k = 2 at M = 1, 2, 4 and
-# k = 3 at M = 1, 4 on twelve of these shapes: 0.96-1.04x with no pattern; not taken.
+# 14336x4096 1.002); elsewhere 0.97-1.08x (8192x28672, 6.8 per SM: M = 1 / 2 / 4 1.036 /
+# 1.040 / 1.077; 28672x8192, runs of 56: 1.014; 18944x3584, 7.0 per SM: 1.065 / 1.024;
+# 4096x14336, 5.9 per SM: 1.036 / 1.026, at M = 1 runs of 16: 0.996; 3584x18944 at M = 1, 4.5
+# per SM: 1.038; 2048x10240, 4.8 per SM: 0.982 / 0.966). k = 2 at M = 1, 2, 4 and k = 3 at
+# M = 1, 4 on twelve of these shapes: 0.96-1.04x with no pattern; not taken.
 DEEP_RING_STAGES = {4: 4}
 DEEP_RING_M = (1, 2, 4)
 DEEP_RING_MAX_WORKERS = 4
