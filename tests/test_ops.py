@@ -255,6 +255,21 @@ def fake_gpu(monkeypatch):
     return calls, streams
 
 
+@pytest.fixture
+def loaded_variants(fake_gpu, monkeypatch):
+    """The key of each GEMV launcher the plans load, in order: (k, m bucket, dtype, lookup,
+    stages, CTA groups, crossing, row sets); the launchers stay ``fake_gpu``'s."""
+    loaded = []
+    fake_launcher = ops._gemv_launcher
+
+    def recording_launcher(*key):
+        loaded.append(key)
+        return fake_launcher(*key)
+
+    monkeypatch.setattr(ops, "_gemv_launcher", recording_launcher)
+    return loaded
+
+
 def fake_weight(gen, N, K, k, dtype):
     qw = weight(gen, N, K, k, dtype)
     return ops.KbitWeight(*(fake(t) for t in wargs(qw)[:4]), k, N, K, dtype)
@@ -306,7 +321,9 @@ def test_cuda_dispatch_passes_the_kernel_arguments_in_order(M, bias, fake_gpu, g
         (512, 2048, 8, ("shuffle", None, False), 7),  # under SMALL_WEIGHT: shuffles at every M
     ],
 )
-def test_k5_plans_take_the_variant_of_their_weight(N, K, M, variant, quads, fake_gpu, gen):
+def test_k5_plans_take_the_variant_of_their_weight(
+    N, K, M, variant, quads, fake_gpu, loaded_variants, gen
+):
     """k = 5 (``ops.gemv_variant``): weights of at least ``SMALL_WEIGHT`` elements get the
     128 KB pair table, smaller ones the shuffles; at M <= 2 and M = 5..8 a weight whose
     split-K workers exceed 5 per SM a 2-stage ring (more quads per CTA); from M = 2 the
@@ -317,19 +334,12 @@ def test_k5_plans_take_the_variant_of_their_weight(N, K, M, variant, quads, fake
     from kbit_cute.kernels.gemv import SMALL_WEIGHT, GemvKernel
 
     calls, _ = fake_gpu
-    loaded = []  # (k, m, dtype, lookup, stages, groups, crossing, row sets) of each launcher
-    fake_launcher = ops._gemv_launcher
-
-    def recording_launcher(*key):
-        loaded.append(key)
-        return fake_launcher(*key)
-
-    ops._gemv_launcher = recording_launcher  # (the fixture's monkeypatch restores it)
     assert (N * K >= SMALL_WEIGHT) == (variant[0] is None)
     w = fake_weight(gen, N, K, 5, torch.float16)
     kbit_cute.gemm(fake(torch.randn(M, K, generator=gen).half()), w)
     m = {1: 1, 2: 2, 4: 4, 5: 8, 8: 8}[M]
-    assert loaded == [(5, m, torch.float16, *variant, False, False)]  # (in strips, one set)
+    # (runs in strips, one row set)
+    assert loaded_variants == [(5, m, torch.float16, *variant, False, False)]
     kernel = GemvKernel(5, m, cutlass.Float16, variant[1], variant[0], cta_groups=variant[2])
     assert kernel.quads == quads
     (args,) = calls  # launched with the grid of that variant
@@ -747,23 +757,15 @@ def test_even_workers_and_crossing_variants_are_sm90_only(monkeypatch):
     assert not ops.gemv_crossing(1, 3, 14336, (528, 132), False)
 
 
-def test_plan_takes_the_crossing_variant_for_an_even_grid(fake_gpu, gen):
+def test_plan_takes_the_crossing_variant_for_an_even_grid(fake_gpu, loaded_variants, gen):
     """4096x14336 k = 3 at M = 1 runs 528 runs across strips on the ``crossing`` variant; at
     M = 4 (CTA groups, runs inside strips) the variant without it."""
     calls, _ = fake_gpu
-    loaded = []
-    fake_launcher = ops._gemv_launcher
-
-    def recording_launcher(*key):
-        loaded.append(key)
-        return fake_launcher(*key)
-
-    ops._gemv_launcher = recording_launcher  # (the fixture's monkeypatch restores it)
     K, N = 4096, 14336
     w = fake_weight(gen, N, K, 3, torch.float16)
     for M in (1, 4):
         kbit_cute.gemm(fake(torch.randn(M, K, generator=gen).half()), w)
-    assert loaded == [
+    assert loaded_variants == [
         (3, 1, torch.float16, None, None, False, True, False),
         (3, 4, torch.float16, None, None, True, False, False),
     ]
@@ -865,7 +867,7 @@ def test_k4_deep_ring_on_grids_of_few_short_runs(K, N, deep, monkeypatch):
     assert [ops.gemv_variant(4, m, N, K, 132) for m in (1, 2, 4)] == [(None, None)] * 3
 
 
-def test_k4_deep_ring_plan_launches_its_variant_with_its_grid(fake_gpu, gen):
+def test_k4_deep_ring_plan_launches_its_variant_with_its_grid(fake_gpu, loaded_variants, gen):
     """A k = 4 plan whose rows bucket takes the deeper ring loads that variant (M = 1 on
     2048x10240) and launches it with the grid of its own quads; M = 2 there keeps 3 stages."""
     import cutlass
@@ -873,19 +875,11 @@ def test_k4_deep_ring_plan_launches_its_variant_with_its_grid(fake_gpu, gen):
     from kbit_cute.kernels.gemv import GemvKernel
 
     calls, _ = fake_gpu
-    loaded = []
-    fake_launcher = ops._gemv_launcher
-
-    def recording_launcher(*key):
-        loaded.append(key)
-        return fake_launcher(*key)
-
-    ops._gemv_launcher = recording_launcher  # (the fixture's monkeypatch restores it)
     K, N = 2048, 10240
     w = fake_weight(gen, N, K, 4, torch.float16)
     for M in (1, 2):
         kbit_cute.gemm(fake(torch.randn(M, K, generator=gen).half()), w)
-    assert [key[4] for key in loaded] == [4, None]
-    for key, args in zip(loaded, calls, strict=True):
+    assert [key[4] for key in loaded_variants] == [4, None]
+    for key, args in zip(loaded_variants, calls, strict=True):
         kernel = GemvKernel(4, key[1], cutlass.Float16, key[4], key[3], cta_groups=key[5])
         assert args[12:14] == ops.kernel_grid(kernel, N, K, 132)
