@@ -6,7 +6,9 @@ and without split-K) against the float32 reference, then times the large shapes 
 list of split counts next to cuBLAS fp16 in the same run. ``--passes N`` times every
 configuration of a (shape, k, M) N times round robin and reports the median, so that a
 drift of the clock or the power state hits each alike (a ring-depth or variant A/B in one
-process).
+process). Its defaults are the kernel's (e.g. k = 4's 3-stage ring, k = 5's 128 KB table),
+not the library's per-shape choices (``ops.gemv_variant``): the library's own times come from
+``python -m perf gemm``.
 """
 
 from __future__ import annotations

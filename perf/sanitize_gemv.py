@@ -9,7 +9,7 @@ import torch
 
 import kbit_cute
 from kbit_cute import ops
-from kbit_cute.kernels.gemv import DEEP_RING_STAGES, LOOKUP
+from kbit_cute.kernels.gemv import DEEP_RING_M, DEEP_RING_STAGES, LOOKUP
 from perf.gemv_kernel_check import run_gemv
 
 
@@ -38,7 +38,7 @@ def main() -> None:
             A = torch.randn(M, K, device="cuda", dtype=dtype)
             out = torch.empty(M, N, device="cuda", dtype=dtype)
             run_gemv(A, qw, out, "s64")
-            if k in DEEP_RING_STAGES:  # k = 4's deeper ring (``ops.gemv_variant``)
+            if k in DEEP_RING_STAGES and ops._M_BUCKET[M] in DEEP_RING_M:  # (``ops.gemv_variant``)
                 run_gemv(A, qw, out, "s64", DEEP_RING_STAGES[k])
     gemv_kernel_check.CTA_GROUPS = "auto"
     # The ``crossing`` variants (the ring runs on across a strip's end): runs of 3-4 K tiles

@@ -867,19 +867,42 @@ def test_k4_deep_ring_on_grids_of_few_short_runs(K, N, deep, monkeypatch):
     assert [ops.gemv_variant(4, m, N, K, 132) for m in (1, 2, 4)] == [(None, None)] * 3
 
 
-def test_k4_deep_ring_plan_launches_its_variant_with_its_grid(fake_gpu, loaded_variants, gen):
-    """A k = 4 plan whose rows bucket takes the deeper ring loads that variant (M = 1 on
-    2048x10240) and launches it with the grid of its own quads; M = 2 there keeps 3 stages."""
-    import cutlass
-
-    from kbit_cute.kernels.gemv import GemvKernel
-
+def test_k4_deep_ring_plan_loads_its_variant(fake_gpu, loaded_variants, gen):
+    """A k = 4 plan loads the deeper ring's variant for the rows buckets whose grid takes it
+    (M = 1 on 2048x10240: 2.4 workers per SM) and the default one for the others (M = 2:
+    4.8 per SM), and launches both."""
     calls, _ = fake_gpu
     K, N = 2048, 10240
     w = fake_weight(gen, N, K, 4, torch.float16)
     for M in (1, 2):
         kbit_cute.gemm(fake(torch.randn(M, K, generator=gen).half()), w)
     assert [key[4] for key in loaded_variants] == [4, None]
-    for key, args in zip(loaded_variants, calls, strict=True):
-        kernel = GemvKernel(4, key[1], cutlass.Float16, key[4], key[3], cta_groups=key[5])
-        assert args[12:14] == ops.kernel_grid(kernel, N, K, 132)
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_every_planned_gemv_variant_is_registered(arch, monkeypatch):
+    """Every variant a plan can load (``_GemvPlan``: rows bucket, row sets, lookup, ring
+    depth, CTA groups, runs across strips) is one ``gemv.specs`` ships for the arch, so that
+    precompile and warmup build what dispatch loads: k = 2..5, both dtypes, weights from
+    512x512 to 8192x28672, on 132 and 78 SMs."""
+    from kbit_cute import compile as kc
+    from kbit_cute.kernels import gemv
+
+    monkeypatch.setattr(kc, "_arch", arch)
+    shipped = {s.name for s in gemv.specs(arch)}
+    shapes = [(512, 512), (2048, 512), (512, 2048), (1056, 1000), (2048, 2048), (5120, 2048),
+              (2048, 10240), (4096, 14336), (14336, 4096), (8192, 28672), (28672, 8192),
+              (3584, 18944), (18944, 3584)]  # fmt: skip
+    for k in (2, 3, 4, 5):
+        for K, N in shapes:
+            for dtype in (torch.float16, torch.bfloat16):
+                for sms in (132, 78):
+                    plan = ops._GemvPlan(k, N, K, dtype, sms)
+                    for (m, sets), (lookup, stages) in plan.variants.items():
+                        f = (m, sets)
+                        name = gemv.gemv_spec(
+                            k, m, ops._GEMV_DTYPES[dtype], stages, lookup, None,
+                            plan.groups[f], plan.crossing[f], sets > 1,
+                        ).name  # fmt: skip
+                        assert name in shipped, (arch, k, K, N, sms, name)

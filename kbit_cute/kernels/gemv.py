@@ -131,14 +131,17 @@ RING_STAGES_SM90 = {(3, 2): 4}
 # default variant's grid (``ops.kernel_grid``) has at most DEEP_RING_MAX_WORKERS workers per SM
 # and runs of at most DEEP_RING_MAX_RUN K tiles (``ops.gemv_variant``): with few, short runs
 # per SM a deeper ring is what keeps bytes in flight; many or long runs keep them without it.
-# Session 40, 27 shapes, 3 -> 4 stages (medians of three passes): at most 4 workers per SM and
+# Session 40, 27 shapes (``python -m perf.gemv_kernel_check --no-check --k 4 --m 1 2 4 --stages
+# 3 4 --passes 3``), 3 -> 4 stages (medians of three passes): at most 4 workers per SM and
 # runs of at most 14 K tiles 0.91-1.00x (M = 4: 8192x2048 0.911, 12288x2048 0.915, 10240x2048
 # 0.928; M = 2 0.955-0.987; M = 1 10240x2048 0.948, 5120x2048 0.953, 2048x12288 0.967,
 # 14336x4096 1.002); elsewhere 0.97-1.08x (8192x28672, 6.8 per SM: M = 1 / 2 / 4 1.036 /
 # 1.040 / 1.077; 28672x8192, runs of 56: 1.014; 18944x3584, 7.0 per SM: 1.065 / 1.024;
 # 4096x14336, 5.9 per SM: 1.036 / 1.026, at M = 1 runs of 16: 0.996; 3584x18944 at M = 1, 4.5
-# per SM: 1.038; 2048x10240, 4.8 per SM: 0.982 / 0.966). k = 2 at M = 1, 2, 4 and k = 3 at
-# M = 1, 4 on twelve of these shapes: 0.96-1.04x with no pattern; not taken.
+# per SM: 1.038; 2048x10240, 4.8 per SM: 0.982 / 0.966). Small weights, where every grid
+# qualifies: 2048x2048 M = 1 / 2 / 4 1.002 / 0.96 / 0.944, 2048x512 and 512x2048 0.99-1.00x.
+# k = 2 at M = 1, 2, 4 and k = 3 at M = 1, 4 on twelve of these shapes: 0.96-1.04x with no
+# pattern; not taken.
 DEEP_RING_STAGES = {4: 4}
 DEEP_RING_M = (1, 2, 4)
 DEEP_RING_MAX_WORKERS = 4
@@ -365,7 +368,7 @@ class GemvKernel:
         # 40). The plain k = 2 variants spill with it (72 registers).
         self.split_blocks = (
             (m <= 4 and k in (3, 4) or m == 1 and self.lookup == "pair_table5"
-             or m == 1 and k == 2 and crossing)
+             or m == 1 and self.lookup == "quad_table" and crossing)
             and target_arch_family() == "sm_90"
         )  # fmt: skip
         self.table = self.lookup in TABLE_ENTRY_BYTES  # a shared-memory table per CTA
@@ -1825,7 +1828,7 @@ def specs(arch: str | None = None):
         + [  # runs across strips: what ``ops.even_workers`` gives (M = 1, k != 4, sm_90)
             gemv_spec(k, 1, d, st, crossing=True)
             for k in (2, 3, 5)
-            for st in (None, *([MORE_QUADS_STAGES[k]] if k in MORE_QUADS_STAGES else []))
+            for st in (None, *_more_quads_stages(k, 1))
             for d in _DTYPES
             if sm90
         ]
@@ -1836,7 +1839,7 @@ def specs(arch: str | None = None):
             for lk, st in (
                 (None, None),
                 *([(SMALL_WEIGHT_LOOKUP[k], None)] if k in SMALL_WEIGHT_LOOKUP else []),
-                *([(None, MORE_QUADS_STAGES[k])] if k in MORE_QUADS_STAGES else []),
+                *((None, st) for st in _more_quads_stages(k, GemvKernel.ROW_SETS_M)),
             )
             for groups in (False, True)
             if not (groups and lk is not None)
