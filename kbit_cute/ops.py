@@ -427,7 +427,7 @@ def gemv_variant(k: int, m_bucket: int, N: int, K: int, sm_count: int):
     if deep and target_arch_family() == "sm_90":
         # (the grid does not depend on the dtype)
         workers, _ = kernel_grid(GemvKernel(k, m_bucket, _DTYPES["f16"]), N, K, sm_count)
-        run = -(-N // 128) * -(-K // 64) / workers  # K tiles per worker
+        run = -(-N // TILE_N) * -(-K // TILE_K) / workers  # K tiles per worker
         if workers <= DEEP_RING_MAX_WORKERS * sm_count and run <= DEEP_RING_MAX_RUN:
             return lookup, DEEP_RING_STAGES[k]
     return lookup, None

@@ -263,7 +263,7 @@ def test_gemv_runs_across_strips_keep_the_ring_running(k, stages, lookup, dtype)
     from perf import gemv_kernel_check
     from perf.gemv_kernel_check import run_gemv
 
-    variant = (k, 1, _DTYPES[{torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]], stages, lookup)
+    variant = (k, 1, _DTYPES[ops._GEMV_DTYPES[dtype]], stages, lookup)
     split_blocks_differ = (
         GemvKernel(*variant, crossing=True).split_blocks != GemvKernel(*variant).split_blocks
     )
