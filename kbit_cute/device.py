@@ -26,6 +26,7 @@ class DeviceProps:
     l2_bytes: int
     smem_per_block_optin: int  # the most dynamic shared memory one CTA may opt in to
     smem_per_sm: int
+    memory_gbs: float = 0.0  # peak DRAM bandwidth, GB/s (0: unknown)
 
     @property
     def arch(self) -> str:
@@ -73,6 +74,9 @@ def device_props(index: int) -> DeviceProps:
         return int(_check(driver.cuDeviceGetAttribute(a, dev)))
 
     name = _check(driver.cuDeviceGetName(256, dev))
+    # double data rate: 2 transfers per memory clock (kHz) over the bus (bits)
+    memory_khz = get(attr.CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE)
+    bus_bits = get(attr.CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)
     return DeviceProps(
         index=index,
         name=name.split(b"\0", 1)[0].decode(),
@@ -84,6 +88,7 @@ def device_props(index: int) -> DeviceProps:
         l2_bytes=get(attr.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE),
         smem_per_block_optin=get(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
         smem_per_sm=get(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
+        memory_gbs=2 * memory_khz * 1e3 * bus_bits / 8 / 1e9,
     )
 
 

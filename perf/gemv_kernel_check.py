@@ -22,11 +22,19 @@ import torch
 from tabulate import tabulate
 
 from kbit_cute.compile import launcher
+from kbit_cute.device import device_props
 from kbit_cute.format import dequantize as dequantize_reference
 from kbit_cute.format import quantize
 from kbit_cute.kernels.device_helpers import EMPTY_SLOT
 from kbit_cute.kernels.gemv import _DTYPES, COLS_PER_GROUP, GemvKernel, gemv_spec
-from kbit_cute.ops import _M_BUCKET, GEMV_MAX_M, gemv_crossing, gemv_cta_groups, kernel_grid
+from kbit_cute.ops import (
+    _M_BUCKET,
+    GEMV_MAX_M,
+    gemv_crossing,
+    gemv_cta_groups,
+    gemv_issue_bound,
+    kernel_grid,
+)
 from perf.common import copies_for, graph_time_us, read_bandwidth_gbs
 
 _NAMES = {torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -51,7 +59,7 @@ def grid_for(qw, M, dtype, workers, stages=None, lookup=None, quads=None) -> tup
         n = max(1, int(float(w[1:]) * sm_count * kern.ctas_per_sm * kern.quads))
     else:
         n = int(w)
-    return kernel_grid(kern, qw.N, qw.K, sm_count, n)
+    return kernel_grid(kern, qw.N, qw.K, sm_count, n, gemv_issue_bound(device_props(0)))
 
 
 def run_gemv(A, qw, out, workers="auto", stages=None, lookup=None, quads=None, crossing=None):
@@ -67,13 +75,14 @@ def run_gemv(A, qw, out, workers="auto", stages=None, lookup=None, quads=None, c
     if CTA_GROUPS == "auto":
         groups = gemv_cta_groups(m, qw.N, (n, ctas), (lookup, stages))
     if crossing is None:
-        crossing = gemv_crossing(m, qw.k, qw.N, (n, ctas), groups)
+        issue_bound = gemv_issue_bound(device_props(0))
+        crossing = gemv_crossing(m, qw.k, qw.N, (n, ctas), groups, issue_bound)
     fn = launcher(gemv_spec(qw.k, m, _NAMES[A.dtype], stages, lookup, quads, groups, crossing))
     need = 2 * n * m * COLS_PER_GROUP
     if _ws.numel() < need or _ws.device.type != "cuda":
-        _ws = torch.full(
-            (max(need, 1 << 22),), EMPTY_SLOT, dtype=torch.int32, device="cuda"
-        ).view(torch.float32)
+        _ws = torch.full((max(need, 1 << 22),), EMPTY_SLOT, dtype=torch.int32, device="cuda").view(
+            torch.float32
+        )
         _counters = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
     fn(A, qw.packed, qw.absmax, qw.codebook, qw.scale, out, out, _ws, _counters,
        M, qw.N, qw.K, n, ctas, *GemvKernel.cta_args(groups, qw.N, n, ctas), 0)  # fmt: skip

@@ -41,7 +41,7 @@ def main() -> None:
             if k in DEEP_RING_STAGES and ops._M_BUCKET[M] in DEEP_RING_M:  # (``ops.gemv_variant``)
                 run_gemv(A, qw, out, "s64", DEEP_RING_STAGES[k])
     gemv_kernel_check.CTA_GROUPS = "auto"
-    # The ``crossing`` variants (the ring runs on across a strip's end): runs of 3-4 K tiles
+    # The ``crossing`` variants (the ring runs on across a strip's end, k = 4's deeper one too): runs of 3-4 K tiles
     # over strips of 17 (37 workers), strips of one K tile (every step a crossing), and CTAs
     # of 2-3 consecutive workers (300 runs of 3-4 K tiles on 132 CTAs).
     for k in (2, 3, 4, 5):
@@ -50,6 +50,8 @@ def main() -> None:
             A = torch.randn(1, K, device="cuda", dtype=torch.float16)
             out = torch.empty(1, N, device="cuda", dtype=torch.float16)
             run_gemv(A, qw, out, workers, crossing=True)
+            if k in DEEP_RING_STAGES and 1 in DEEP_RING_M:  # (k = 4 on fast-memory devices)
+                run_gemv(A, qw, out, workers, DEEP_RING_STAGES[k], crossing=True)
     # k = 3's runs skewed by quad (``gemv.QUAD_SKEW``): runs of ~20 K tiles, 7 quads a CTA,
     # shifts of up to 2 tiles.
     qw = kbit_cute.quantize(torch.randn(18944, 8192, device="cuda"), 3)

@@ -1,6 +1,8 @@
 """The torch.library ops on the CPU: opcheck, eager == op, torch.compile tracing without
 graph breaks, autograd, and the error messages."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -313,8 +315,8 @@ def test_cuda_dispatch_passes_the_kernel_arguments_in_order(M, bias, fake_gpu, g
         (2048, 4096, 1, (None, None, False), 5),  # the 128 KB table, 3 stages: 5 quads per CTA
         (1024, 2048, 1, (None, None, False), 5),  # SMALL_WEIGHT: the table
         (2048, 512, 1, ("shuffle", None, False), 7),  # under SMALL_WEIGHT: shuffles
-        (28672, 8192, 1, (None, 2, False), 7),  # 224 x 4 workers wanted: 2 stages, 7 quads
-        (28672, 8192, 2, (None, 2, True), 7),  # (from M = 2 CTA groups: 7 workers a CTA)
+        (28672, 8192, 1, (None, None, False), 5),  # 224 x 4 workers wanted: still 3 stages
+        (28672, 8192, 2, (None, None, True), 5),  # (from M = 2 CTA groups: 5 workers a CTA)
         (28672, 8192, 4, (None, None, True), 4),  # M = 4 keeps 3 stages (measured)
         (28672, 8192, 5, (None, 2, True), 5),  # M = 5..8: 2 stages, 5 quads (3 stages hold 3)
         (14336, 4096, 8, (None, None, True), 3),  # 112 x 4 workers: 3 stages, 3 quads
@@ -325,10 +327,11 @@ def test_k5_plans_take_the_variant_of_their_weight(
     N, K, M, variant, quads, fake_gpu, loaded_variants, gen
 ):
     """k = 5 (``ops.gemv_variant``): weights of at least ``SMALL_WEIGHT`` elements get the
-    128 KB pair table, smaller ones the shuffles; at M <= 2 and M = 5..8 a weight whose
-    split-K workers exceed 5 per SM a 2-stage ring (more quads per CTA); from M = 2 the
-    table variant with CTA groups where the CTAs hold more than two workers
-    (``ops.gemv_cta_groups``). The plan launches that variant with its grid."""
+    128 KB pair table, smaller ones the shuffles; at M = 5..8 a weight whose split-K workers
+    exceed 5 per SM a 2-stage ring (more quads per CTA; M = 1, 2 keep 3 stages); from M = 2
+    the table variant with CTA groups where the CTAs hold more than two workers
+    (``ops.gemv_cta_groups``). The plan launches that variant with its grid (at M = 1 perhaps
+    an even one, across strips: ``ops.even_workers``)."""
     import cutlass
 
     from kbit_cute.kernels.gemv import SMALL_WEIGHT, GemvKernel
@@ -338,8 +341,10 @@ def test_k5_plans_take_the_variant_of_their_weight(
     w = fake_weight(gen, N, K, 5, torch.float16)
     kbit_cute.gemm(fake(torch.randn(M, K, generator=gen).half()), w)
     m = {1: 1, 2: 2, 4: 4, 5: 8, 8: 8}[M]
-    # (runs in strips, one row set)
-    assert loaded_variants == [(5, m, torch.float16, *variant, False, False)]
+    # (one row set; runs across strips only from the even grid at M = 1)
+    grid = ops._gemv_plans[(5, N, K, 7, torch.float16)].grids[(m, 1)]
+    crossing = ops.gemv_crossing(m, 5, N, grid, variant[2])
+    assert loaded_variants == [(5, m, torch.float16, *variant, crossing, False)]
     kernel = GemvKernel(5, m, cutlass.Float16, variant[1], variant[0], cta_groups=variant[2])
     assert kernel.quads == quads
     (args,) = calls  # launched with the grid of that variant
@@ -713,8 +718,8 @@ def test_even_grouped_splits_bounds():
         (4096, 14336, 3, 528, True),  # 448 runs of 16 K tiles (52 SMs hold 4, 80 hold 3)
         (4096, 14336, 2, 528, True),
         (18944, 3584, 5, 528, True),  # 448 runs of 18-19 tiles
-        (8192, 28672, 5, 896, False),  # (k = 5's 2-stage variant: 224 -> 218 is 0.97)
-        (4096, 14336, 4, 448, False),  # k = 4, bound by the DRAM stream: the rule's
+        (8192, 28672, 5, 528, True),  # (5 quads per CTA: busiest SM 256 -> 218 K tiles)
+        (4096, 14336, 4, 448, False),  # k = 4, bound by the DRAM stream (on the H100)
         (14336, 4096, 3, 512, False),  # 116 SMs hold 4 runs, 16 hold 3: even enough
         (3584, 18944, 3, 660, True),  # (busiest SM 70 -> 63 K tiles)
         (8192, 28672, 2, 924, True),  # (224 -> 218: 28 SMs held 6 runs, 104 held 7)
@@ -744,12 +749,13 @@ def test_even_workers_at_m1(K, N, k, workers, crossing):
 
 def test_even_workers_and_crossing_variants_are_sm90_only(monkeypatch):
     """On sm_80 the rule's grid stays (its crossing variants of k = 2, 3 spilled) and the
-    library ships no crossing variant; sm_90a ships those of M = 1, k = 2, 3, 5."""
+    library ships no crossing variant; sm_90a ships those of M = 1, k = 2..5 (k = 4's for
+    devices of fast memory, with its deeper ring too)."""
     from kbit_cute.kernels import device_helpers, gemv
 
     assert {s.name for s in gemv.specs("sm_90a") if s.name.endswith("_x")} == {
-        f"gemv_k{k}_m1_{d}{st}_x" for k in (2, 3, 5) for d in ("f16", "bf16")
-        for st in ("", *(["_s2"] if k == 5 else []))
+        f"gemv_k{k}_m1_{d}{st}_x" for k in (2, 3, 4, 5) for d in ("f16", "bf16")
+        for st in ("", *(["_s4"] if k == 4 else []))
     }  # fmt: skip
     assert not [s.name for s in gemv.specs("sm_80") if s.name.endswith("_x")]
     monkeypatch.setattr(device_helpers, "target_arch_family", lambda: "sm_80")
@@ -867,6 +873,50 @@ def test_k4_deep_ring_on_grids_of_few_short_runs(K, N, deep, monkeypatch):
     assert [ops.gemv_variant(4, m, N, K, 132) for m in (1, 2, 4)] == [(None, None)] * 3
 
 
+def test_issue_bound_k_by_memory_bandwidth_per_sm():
+    """``ops.gemv_issue_bound``: k = 4 joins k = 2, 3, 5 from ``FAST_MEMORY_GBS_PER_SM`` of
+    DRAM bandwidth per SM (the H200's 4.9 TB/s over 132 SMs, not the H100's 3.35); an unknown
+    bandwidth (0) keeps the H100's set."""
+    from kbit_cute import device as kdev
+
+    def props(gbs):
+        return kdev.DeviceProps(0, "stub", (9, 0), 132, 50 << 20, 227 << 10, 228 << 10, gbs)
+
+    assert ops.gemv_issue_bound(props(3352.3)) == ops.ISSUE_BOUND_K == (2, 3, 5)
+    assert ops.gemv_issue_bound(props(0.0)) == ops.ISSUE_BOUND_K
+    assert ops.gemv_issue_bound(props(4915.2)) == ops.ISSUE_BOUND_K_FAST_MEMORY == (2, 3, 4, 5)
+
+
+@pytest.mark.parametrize(
+    "K, N, bound, workers, stages, crossing",
+    [
+        (4096, 14336, ops.ISSUE_BOUND_K, 448, None, False),  # the rule's: 52 SMs hold 4 runs
+        (4096, 14336, ops.ISSUE_BOUND_K_FAST_MEMORY, 528, 4, True),  # even: 64 -> 55 K tiles
+        (18944, 3584, ops.ISSUE_BOUND_K_FAST_MEMORY, 528, None, True),  # 76 -> 63 (runs of 18)
+        (8192, 28672, ops.ISSUE_BOUND_K_FAST_MEMORY, 896, None, False),  # 6.8 per SM: as is
+    ],
+)
+def test_k4_plan_on_fast_memory_takes_the_even_grid(
+    K, N, bound, workers, stages, crossing, fake_gpu, loaded_variants, gen, monkeypatch
+):
+    """On a device whose k = 4 GEMV is issue-bound (``ops.gemv_issue_bound``) a k = 4 plan at
+    M = 1 takes the even grid where it cuts the busiest SM's K tiles (``even_workers``), on
+    the crossing variant, with the deeper ring where that grid has few, short runs; on the
+    H100's set, the rule's grid."""
+    import dataclasses
+
+    from kbit_cute import device as kdev
+
+    calls, _ = fake_gpu
+    gbs = 4915.2 if 4 in bound else 3352.3
+    props = dataclasses.replace(kdev.check_device(7), memory_gbs=gbs)
+    monkeypatch.setattr(kdev, "check_device", lambda index: props)
+    w = fake_weight(gen, N, K, 4, torch.float16)
+    kbit_cute.gemm(fake(torch.randn(1, K, generator=gen).half()), w)
+    assert loaded_variants == [(4, 1, torch.float16, None, stages, False, crossing, False)]
+    assert calls[0][12] == workers
+
+
 def test_k4_deep_ring_plan_loads_its_variant(fake_gpu, loaded_variants, gen):
     """A k = 4 plan loads the deeper ring's variant for the rows buckets whose grid takes it
     (M = 1 on 2048x10240: 2.4 workers per SM) and the default one for the others (M = 2:
@@ -885,7 +935,7 @@ def test_every_planned_gemv_variant_is_registered(arch, monkeypatch):
     """Every variant a plan can load (``_GemvPlan``: rows bucket, row sets, lookup, ring
     depth, CTA groups, runs across strips) is one ``gemv.specs`` ships for the arch, so that
     precompile and warmup build what dispatch loads: k = 2..5, both dtypes, weights from
-    512x512 to 8192x28672, on 132 and 78 SMs."""
+    512x512 to 8192x28672, on 132 and 78 SMs, with the H100's and the H200's issue-bound k."""
     from kbit_cute import compile as kc
     from kbit_cute.kernels import gemv
 
@@ -897,12 +947,14 @@ def test_every_planned_gemv_variant_is_registered(arch, monkeypatch):
     for k in (2, 3, 4, 5):
         for K, N in shapes:
             for dtype in (torch.float16, torch.bfloat16):
-                for sms in (132, 78):
-                    plan = ops._GemvPlan(k, N, K, dtype, sms)
+                for sms, bound in itertools.product(
+                    (132, 78), (ops.ISSUE_BOUND_K, ops.ISSUE_BOUND_K_FAST_MEMORY)
+                ):
+                    plan = ops._GemvPlan(k, N, K, dtype, sms, bound)
                     for (m, sets), (lookup, stages) in plan.variants.items():
                         f = (m, sets)
                         name = gemv.gemv_spec(
                             k, m, ops._GEMV_DTYPES[dtype], stages, lookup, None,
                             plan.groups[f], plan.crossing[f], sets > 1,
                         ).name  # fmt: skip
-                        assert name in shipped, (arch, k, K, N, sms, name)
+                        assert name in shipped, (arch, k, K, N, sms, bound, name)

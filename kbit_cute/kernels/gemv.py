@@ -164,11 +164,17 @@ SMALL_WEIGHT_LOOKUP = {5: "shuffle"}
 # A ring of this depth fits more quads per CTA beside k = 5's 128 KB table (m <= 2: 7, not
 # 5; m = 8: 5, not 3): what ``ops.gemv_variant`` takes at the rows buckets MORE_QUADS_M where
 # the split rule wants more than MORE_QUADS_FROM workers per SM. 8192x28672 (6.8 per SM), us,
-# 3 / 2 stages: M = 1 57.4 / 55.4, M = 2 57.5 / 55.6 (session 27), M = 5 69.6 / 64.4, M = 8
-# 72.5 / 65.6 (session 28); M = 4 kept 3 stages (58.95 / 61.30), and so did the shapes with
-# fewer workers (4096x14336, 3.4 per SM: M = 1 17.8 / 19.0, M = 8 20.2 / 22.2).
+# 3 / 2 stages: M = 5 69.6 / 64.4, M = 8 72.5 / 65.6 (H100, session 28; H200, session 41: M = 8
+# 73.16 / 64.01); M = 4 kept 3 stages (58.95 / 61.30), and so did the shapes with fewer
+# workers (4096x14336, 3.4 per SM: M = 8 20.2 / 22.2 on the H100). M = 1, 2 took 2 stages
+# until session 41 (session 27: 57.4 / 55.4, 57.5 / 55.6), but the kernel has changed since
+# (the table filled once per entry, the scales after the mma at M = 1): on the H200, medians of
+# five passes (``python -m perf.gemv_kernel_check --no-check --k 5 --m 1 2 8 --stages 2 3``),
+# M = 1 50.48 / 57.28, M = 2 58.74 / 58.60, and 3 stages faster at M = 1, 2 on 28672x8192,
+# 4096x14336 and 3584x18944 too (1.4-7.4%); on the H100 the library's M = 1 (2 stages) took
+# 56.07 us where 3 stages had measured 53.8 (sessions 34-35, 40).
 MORE_QUADS_STAGES = {5: 2}
-MORE_QUADS_M = (1, 2, 8)
+MORE_QUADS_M = (8,)
 MORE_QUADS_FROM = 5
 # Shared-memory tables indexed by one byte of index fields, a copy per lane of a wavefront
 # so that its loads hit distinct banks (``TABLE_COPIES``); a prmt builds the byte address
@@ -1825,10 +1831,11 @@ def specs(arch: str | None = None):
             for st in (None, *_more_quads_stages(k, m), *_deep_ring_stages(k, m, sm90))
             for d in _DTYPES
         ]
-        + [  # runs across strips: what ``ops.even_workers`` gives (M = 1, k != 4, sm_90)
+        + [  # runs across strips: what ``ops.even_workers`` gives (M = 1, sm_90; k = 4 on
+            # devices of fast memory, ``ops.gemv_issue_bound``), ring depths as above
             gemv_spec(k, 1, d, st, crossing=True)
-            for k in (2, 3, 5)
-            for st in (None, *_more_quads_stages(k, 1))
+            for k in (2, 3, 4, 5)
+            for st in (None, *_more_quads_stages(k, 1), *_deep_ring_stages(k, 1, sm90))
             for d in _DTYPES
             if sm90
         ]
