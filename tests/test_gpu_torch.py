@@ -327,14 +327,17 @@ def test_host_overhead_per_eager_call():
 
 
 def test_warmup_loads_every_requested_variant(tmp_path, monkeypatch):
-    """k = 4, M = 1, fp16 GEMV: its default variant and, on sm_90, the deeper ring's."""
+    """k = 4, M = 1, fp16 GEMV: its default variant and, on sm_90, the deeper ring's and
+    those whose runs cross strips (the even grids of fast-memory devices)."""
     from kbit_cute.kernels.device_helpers import target_arch_family
     from kbit_cute.precompile import select_specs
 
     monkeypatch.setenv(kc.CACHE_ENV, str(tmp_path))
     want = {s.name for s in select_specs(k=4, dtypes="f16", m=1, kernels=["gemv"])}
     assert "gemv_k4_m1_f16" in want
-    assert ("gemv_k4_m1_f16_s4" in want) == (target_arch_family() == "sm_90")
+    sm90 = target_arch_family() == "sm_90"
+    assert ("gemv_k4_m1_f16_s4" in want) == sm90
+    assert ("gemv_k4_m1_f16_x" in want) == ("gemv_k4_m1_f16_s4_x" in want) == sm90
     report = kbit_cute.warmup(k=4, dtypes=torch.float16, m=1, kernels=("gemv",))
     assert report["variants"] == report["compiled"] == len(want)
     again = kbit_cute.warmup(k=4, dtypes=torch.float16, m=1, kernels=("gemv",))
