@@ -609,7 +609,7 @@ def even_workers(
     3584x18944 (70 -> 63) 11.89 / 14.02 / 19.31 -> 11.60 / 13.68 / 19.49; fewer: 5120x13824
     (70 -> 66) within 1%, 11008x4096 (44 -> 42) 8.55 / 9.82 / 13.11 -> 8.97 / 10.32 / 13.43,
     14336x4096 (56 -> 55) 1-3% slower; k = 4, bound by the DRAM stream on the H100,
-    4096x14336 13.27 -> 13.46 (on the H200 12.69 -> 11.56: ``ISSUE_BOUND_K``); 2048x5120
+    4096x14336 13.27 -> 13.46 (on the H200 12.69 -> 11.56: ``gemv_issue_bound``); 2048x5120
     (12 -> 10, runs of 3 K tiles) 4.24 / 4.64 / 5.77 -> 5.05 / 5.45 / 6.37."""
     if not even_grid_applies(kernel.m, kernel.k, issue_bound) or workers <= sm_count:
         return workers
