@@ -258,7 +258,7 @@ GEMV_ROW_SETS = (
 
 
 # The k whose GEMV at M = 1 is bound by issuing its K loop rather than by the DRAM stream
-# (``gemv_issue_bound``): there an SM with more K tiles than others finishes that much later,
+# (``issue_bound_k``): there an SM with more K tiles than others finishes that much later,
 # and even grids pay (``even_workers``). On the H100 (3.35 TB/s over 132 SMs, 25 GB/s per SM)
 # k = 4 streams at 98% of the measured read bandwidth on 8192x28672 and an even grid measured
 # slower (4096x14336 13.27 -> 13.46 us); on the H200 (4.8 TB/s, 37 GB/s per SM) its K loop
@@ -398,27 +398,28 @@ def gemv_splits(N: int, K: int, sm_count: int, m_bucket: int = 1) -> int:
 def gemv_grid(
     k: int, m_bucket: int, dtype: torch.dtype, N: int, K: int, sm_count: int,
     workers: int | None = None, variant: tuple | None = None,
-    issue_bound: tuple[int, ...] = ISSUE_BOUND_K,
+    fast_memory: bool = False,
 ) -> tuple[int, int]:  # fmt: skip
     """(workers, CTAs) of the GEMV variant (k, m bucket, dtype) on a weight [N, K];
     ``variant``: its (lookup, stages) if already known (else ``gemv_variant``'s);
-    ``issue_bound``: the device's ``gemv_issue_bound``."""
+    ``fast_memory``: the device's ``has_fast_memory``."""
     from .kernels.gemv import _DTYPES, GemvKernel
 
-    lookup, stages = variant or gemv_variant(k, m_bucket, N, K, sm_count, issue_bound)
+    lookup, stages = variant or gemv_variant(k, m_bucket, N, K, sm_count, fast_memory)
     kernel = GemvKernel(k, m_bucket, _DTYPES[_GEMV_DTYPES[dtype]], stages, lookup)
-    return kernel_grid(kernel, N, K, sm_count, workers, issue_bound)
+    return kernel_grid(kernel, N, K, sm_count, workers, fast_memory)
 
 
 def gemv_variant(
     k: int, m_bucket: int, N: int, K: int, sm_count: int,
-    issue_bound: tuple[int, ...] = ISSUE_BOUND_K,
+    fast_memory: bool = False,
 ):  # fmt: skip
     """(lookup, stages) of the GEMV variant for a weight [N, K] at rows bucket m (None: the
     kernel's default): the lookup by the weight's size (``gemv.gemv_lookup``); k = 5's table
     kernel with a shallower ring, which holds more quads per CTA (``gemv.MORE_QUADS_STAGES``),
     at the rows buckets ``MORE_QUADS_M`` where the split rule wants more than
-    ``MORE_QUADS_FROM`` workers per SM; k = 4 on sm_90 with a deeper ring
+    ``MORE_QUADS_FROM`` workers per SM or, with ``fast_memory``, on weights of more than
+    ``MORE_QUADS_FAST_ELEMS`` elements; k = 4 on sm_90 with a deeper ring
     (``gemv.DEEP_RING_STAGES``) where the default variant's grid has few, short runs per SM
     (both measured)."""
     from .kernels.device_helpers import target_arch_family
@@ -428,6 +429,7 @@ def gemv_variant(
         DEEP_RING_MAX_RUN,
         DEEP_RING_MAX_WORKERS,
         DEEP_RING_STAGES,
+        MORE_QUADS_FAST_ELEMS,
         MORE_QUADS_FROM,
         MORE_QUADS_M,
         MORE_QUADS_STAGES,
@@ -440,13 +442,13 @@ def gemv_variant(
     table5 = (lookup or default_lookup(k)) == "pair_table5"
     if table5 and m_bucket in MORE_QUADS_M and k in MORE_QUADS_STAGES:
         want = -(-N // 128) * gemv_splits(N, K, sm_count, m_bucket)
-        if want > sm_count * MORE_QUADS_FROM:
+        if want > sm_count * MORE_QUADS_FROM or (fast_memory and N * K > MORE_QUADS_FAST_ELEMS):
             return lookup, MORE_QUADS_STAGES[k]
     deep = k in DEEP_RING_STAGES and m_bucket in DEEP_RING_M and lookup is None
     if deep and target_arch_family() == "sm_90":
         # (the grid does not depend on the dtype)
         kernel = GemvKernel(k, m_bucket, _DTYPES["f16"])
-        workers, _ = kernel_grid(kernel, N, K, sm_count, issue_bound=issue_bound)
+        workers, _ = kernel_grid(kernel, N, K, sm_count, fast_memory=fast_memory)
         run = -(-N // TILE_N) * -(-K // TILE_K) / workers  # K tiles per worker
         if workers <= DEEP_RING_MAX_WORKERS * sm_count and run <= DEEP_RING_MAX_RUN:
             return lookup, DEEP_RING_STAGES[k]
@@ -562,34 +564,40 @@ EVEN_GRID_MIN_SAVED = 6
 EVEN_GRID_MIN_RUN = 6
 
 
-def gemv_issue_bound(props) -> tuple[int, ...]:
-    """The k whose M = 1 GEMV is bound by issuing its K loop on this device (a
-    ``device.DeviceProps``), not by the DRAM stream: ``ISSUE_BOUND_K``, or
-    ``ISSUE_BOUND_K_FAST_MEMORY`` from ``FAST_MEMORY_GBS_PER_SM`` of memory bandwidth per SM."""
-    fast = props.memory_gbs >= FAST_MEMORY_GBS_PER_SM * props.sm_count
-    return ISSUE_BOUND_K_FAST_MEMORY if fast else ISSUE_BOUND_K
+def has_fast_memory(props) -> bool:
+    """Whether a device (``device.DeviceProps``) streams ``FAST_MEMORY_GBS_PER_SM`` or more of
+    DRAM bandwidth per SM (the H200, not the H100): there the GEMV is issue-bound at every k
+    (``issue_bound_k``) and k = 5 takes its shallow ring at M = 5..8 on more weights
+    (``gemv_variant``). An unknown bandwidth (0) counts as slow."""
+    return props.memory_gbs >= FAST_MEMORY_GBS_PER_SM * props.sm_count
 
 
-def even_grid_applies(m_bucket: int, k: int, issue_bound: tuple[int, ...] = ISSUE_BOUND_K) -> bool:
+def issue_bound_k(fast_memory: bool) -> tuple[int, ...]:
+    """The k whose M = 1 GEMV is bound by issuing its K loop, not by the DRAM stream."""
+    return ISSUE_BOUND_K_FAST_MEMORY if fast_memory else ISSUE_BOUND_K
+
+
+def even_grid_applies(m_bucket: int, k: int, fast_memory: bool = False) -> bool:
     """Whether ``even_workers`` may give launches of this rows bucket and k a grid across
     strips (and so the ``crossing`` variant, which sm_90 ships for M = 1 only): M = 1 and
-    k issue-bound on the device (``gemv_issue_bound``). At M = 2, 4 (k = 2, 3) the crossing
+    k issue-bound on the device (``issue_bound_k``). At M = 2, 4 (k = 2, 3) the crossing
     variants are correct but their even grids of 4-7 quads per SM ran 0.96-1.05x of the CTA
     groups' grids, within the 5% the same grid moves call to call (session 37): not taken."""
     from .kernels.device_helpers import target_arch_family
 
-    return m_bucket == 1 and k in issue_bound and target_arch_family() == "sm_90"
+    issue_bound = k in issue_bound_k(fast_memory)
+    return m_bucket == 1 and issue_bound and target_arch_family() == "sm_90"
 
 
 def even_workers(
     kernel, workers: int, tiles: tuple[int, int], sm_count: int, resident: int,
-    issue_bound: tuple[int, ...] = ISSUE_BOUND_K,
+    fast_memory: bool = False,
 ) -> int:  # fmt: skip
     """``workers``, or as many runs of equal length on every SM (``q`` x SMs, runs across
     strips: the ``crossing`` variant, whose ring runs on at a strip's end), where the split
-    rule leaves some SMs a quad more than others: M = 1, k issue-bound (``issue_bound``, the
-    device's ``gemv_issue_bound``), sm_90 (measured there; on sm_80 the crossing variants of
-    k = 2, 3 spill).
+    rule leaves some SMs a quad more than others: M = 1, k issue-bound on the device
+    (``issue_bound_k`` of ``has_fast_memory``), sm_90 (measured there; on sm_80 the crossing
+    variants of k = 2, 3 spill).
 
     The GEMV of the issue-bound k at M = 1 is bound by each SM's issue slots or shared-memory
     pipe, so an SM with a quad more finishes that much later: 4096x14336 (448 runs of 16 K tiles:
@@ -609,9 +617,9 @@ def even_workers(
     3584x18944 (70 -> 63) 11.89 / 14.02 / 19.31 -> 11.60 / 13.68 / 19.49; fewer: 5120x13824
     (70 -> 66) within 1%, 11008x4096 (44 -> 42) 8.55 / 9.82 / 13.11 -> 8.97 / 10.32 / 13.43,
     14336x4096 (56 -> 55) 1-3% slower; k = 4, bound by the DRAM stream on the H100,
-    4096x14336 13.27 -> 13.46 (on the H200 12.69 -> 11.56: ``gemv_issue_bound``); 2048x5120
+    4096x14336 13.27 -> 13.46 (on the H200 12.69 -> 11.56: ``has_fast_memory``); 2048x5120
     (12 -> 10, runs of 3 K tiles) 4.24 / 4.64 / 5.77 -> 5.05 / 5.45 / 6.37."""
-    if not even_grid_applies(kernel.m, kernel.k, issue_bound) or workers <= sm_count:
+    if not even_grid_applies(kernel.m, kernel.k, fast_memory) or workers <= sm_count:
         return workers
     q = -(-workers // sm_count)  # the rule's most quads on one SM
     if q * sm_count > resident:
@@ -711,11 +719,11 @@ def grid_ctas(kernel, workers: int, slots: int) -> int:
 
 def kernel_grid(
     kernel, N: int, K: int, sm_count: int, workers: int | None = None,
-    issue_bound: tuple[int, ...] = ISSUE_BOUND_K,
+    fast_memory: bool = False,
 ):  # fmt: skip
     """(workers, CTAs) of a ``GemvKernel``: column tiles x ``gemv_splits`` workers (evened
     out by ``balanced_splits``, with CTA groups over the CTAs by ``even_grouped_splits``, at
-    M = 1 perhaps equal runs across strips: ``even_workers``, by ``issue_bound``)
+    M = 1 perhaps equal runs across strips: ``even_workers``, by ``fast_memory``)
     unless given, as many splits as fit the resident quads (one
     wave; the kernel's CTAs per SM come from its CTA size, registers and shared memory)."""
     from .kernels.device_helpers import check_run_bounds
@@ -733,7 +741,7 @@ def kernel_grid(
         splits = even_grouped_splits(kernel, n_tiles, k_tiles, splits, sm_count)
         workers = n_tiles * splits
         tiles = (n_tiles, k_tiles)
-        workers = even_workers(kernel, workers, tiles, sm_count, resident, issue_bound)
+        workers = even_workers(kernel, workers, tiles, sm_count, resident, fast_memory)
     workers = min(workers, units)
     ctas = grid_ctas(kernel, workers, slots)
     # Every quad computes its run bounds, idle ones too (worker index up to ctas x quads).
@@ -805,7 +813,7 @@ class _GemvPlan:
 
     def __init__(
         self, k: int, N: int, K: int, dtype: torch.dtype, sm_count: int,
-        issue_bound: tuple[int, ...] = ISSUE_BOUND_K,
+        fast_memory: bool = False,
     ):  # fmt: skip
         self.k, self.N, self.K, self.dtype = k, N, K, dtype
         self.max_m = gemv_max_m(N, K, k)
@@ -813,7 +821,7 @@ class _GemvPlan:
         forms = {gemv_rows(M) for M in range(1, self.max_m + 1)}
         sms = {f: sm_count // f[1] for f in forms}
         # (lookup, stages) per form (None: the kernel's defaults)
-        self.variants = {f: gemv_variant(k, f[0], N, K, sms[f], issue_bound) for f in forms}
+        self.variants = {f: gemv_variant(k, f[0], N, K, sms[f], fast_memory) for f in forms}
         self.words = tiled_sizes(k, N, K)[0]
         self.codes = 1 << k
         self.bias_shape = torch.Size((N,))
@@ -824,14 +832,14 @@ class _GemvPlan:
         self.counters = -(-N // TILE_N) * WARPS * max(sets for _, sets in forms)
         # (workers, ctas) per form
         self.grids = {
-            f: gemv_grid(k, f[0], dtype, N, K, sms[f], None, self.variants[f], issue_bound)
+            f: gemv_grid(k, f[0], dtype, N, K, sms[f], None, self.variants[f], fast_memory)
             for f in forms
         }
         # whether each form takes the variant with CTA groups
         self.groups = {f: gemv_cta_groups(f[0], N, self.grids[f], self.variants[f]) for f in forms}
         # whether its runs cross strips (``even_workers``): the variant whose ring runs on
         self.crossing = {
-            f: gemv_crossing(f[0], k, N, self.grids[f], self.groups[f], issue_bound) for f in forms
+            f: gemv_crossing(f[0], k, N, self.grids[f], self.groups[f], fast_memory) for f in forms
         }
         self.ws_elems = max(sets * _ws_elems(w, m) for (m, sets), (w, _) in self.grids.items())
         self.by_m: list[tuple[object, int, int, int, int] | None] = [None] * (self.max_m + 1)
@@ -877,14 +885,14 @@ def gemv_cta_groups(m_bucket: int, N: int, grid: tuple[int, int], variant: tuple
 
 def gemv_crossing(
     m_bucket: int, k: int, N: int, grid: tuple[int, int], cta_groups: bool,
-    issue_bound: tuple[int, ...] = ISSUE_BOUND_K,
+    fast_memory: bool = False,
 ) -> bool:  # fmt: skip
     """Whether a GEMV launch takes the ``crossing`` variant (whose ring runs on across a
     strip's end): its grid's runs cross strips (workers not a multiple of the column tiles,
     no CTA groups) where ``even_workers`` makes such grids. Elsewhere a grid across strips
     (an explicit worker count) runs on the variant that drains the ring at each crossing."""
     crosses = not cta_groups and grid[0] % -(-N // 128) != 0
-    return crosses and even_grid_applies(m_bucket, k, issue_bound)
+    return crosses and even_grid_applies(m_bucket, k, fast_memory)
 
 
 def _ws_elems(workers: int, m_bucket: int) -> int:
@@ -1114,7 +1122,7 @@ def _plan(packed, absmax, codebook, scale, k, N, K, dev: int, dtype) -> _GemvPla
         check_weight(packed, absmax, codebook, scale, k, N, K)
         props = _device.check_device(dev)
         if plan is None:
-            plan = _GemvPlan(k, N, K, dtype, props.sm_count, gemv_issue_bound(props))
+            plan = _GemvPlan(k, N, K, dtype, props.sm_count, has_fast_memory(props))
             _gemv_plans[(k, N, K, dev, dtype)] = plan
     return plan
 

@@ -32,7 +32,7 @@ from kbit_cute.ops import (
     GEMV_MAX_M,
     gemv_crossing,
     gemv_cta_groups,
-    gemv_issue_bound,
+    has_fast_memory,
     kernel_grid,
 )
 from perf.common import copies_for, graph_time_us, read_bandwidth_gbs
@@ -59,7 +59,7 @@ def grid_for(qw, M, dtype, workers, stages=None, lookup=None, quads=None) -> tup
         n = max(1, int(float(w[1:]) * sm_count * kern.ctas_per_sm * kern.quads))
     else:
         n = int(w)
-    return kernel_grid(kern, qw.N, qw.K, sm_count, n, gemv_issue_bound(device_props(0)))
+    return kernel_grid(kern, qw.N, qw.K, sm_count, n, has_fast_memory(device_props(0)))
 
 
 def run_gemv(A, qw, out, workers="auto", stages=None, lookup=None, quads=None, crossing=None):
@@ -75,8 +75,8 @@ def run_gemv(A, qw, out, workers="auto", stages=None, lookup=None, quads=None, c
     if CTA_GROUPS == "auto":
         groups = gemv_cta_groups(m, qw.N, (n, ctas), (lookup, stages))
     if crossing is None:
-        issue_bound = gemv_issue_bound(device_props(0))
-        crossing = gemv_crossing(m, qw.k, qw.N, (n, ctas), groups, issue_bound)
+        fast = has_fast_memory(device_props(0))
+        crossing = gemv_crossing(m, qw.k, qw.N, (n, ctas), groups, fast)
     fn = launcher(gemv_spec(qw.k, m, _NAMES[A.dtype], stages, lookup, quads, groups, crossing))
     need = 2 * n * m * COLS_PER_GROUP
     if _ws.numel() < need or _ws.device.type != "cuda":

@@ -873,48 +873,76 @@ def test_k4_deep_ring_on_grids_of_few_short_runs(K, N, deep, monkeypatch):
     assert [ops.gemv_variant(4, m, N, K, 132) for m in (1, 2, 4)] == [(None, None)] * 3
 
 
-def test_issue_bound_k_by_memory_bandwidth_per_sm():
-    """``ops.gemv_issue_bound``: k = 4 joins k = 2, 3, 5 from ``FAST_MEMORY_GBS_PER_SM`` of
-    DRAM bandwidth per SM (the H200's 4.9 TB/s over 132 SMs, not the H100's 3.35); an unknown
-    bandwidth (0) keeps the H100's set."""
+def test_fast_memory_by_bandwidth_per_sm():
+    """``ops.has_fast_memory``: from ``FAST_MEMORY_GBS_PER_SM`` of DRAM bandwidth per SM (the
+    H200's 4.8 TB/s over 132 SMs, not the H100's 3.35; an unknown bandwidth, 0, is slow);
+    there k = 4 joins k = 2, 3, 5 as issue-bound (``issue_bound_k``)."""
     from kbit_cute import device as kdev
 
     def props(gbs):
         return kdev.DeviceProps(0, "stub", (9, 0), 132, 50 << 20, 227 << 10, 228 << 10, gbs)
 
-    assert ops.gemv_issue_bound(props(3352.3)) == ops.ISSUE_BOUND_K == (2, 3, 5)
-    assert ops.gemv_issue_bound(props(0.0)) == ops.ISSUE_BOUND_K
-    assert ops.gemv_issue_bound(props(4915.2)) == ops.ISSUE_BOUND_K_FAST_MEMORY == (2, 3, 4, 5)
+    assert not ops.has_fast_memory(props(3352.3))
+    assert not ops.has_fast_memory(props(0.0))
+    assert ops.has_fast_memory(props(4814.3))
+    assert ops.issue_bound_k(False) == (2, 3, 5)
+    assert ops.issue_bound_k(True) == (2, 3, 4, 5)
 
 
 @pytest.mark.parametrize(
-    "K, N, bound, workers, stages, crossing",
+    "K, N, fast, workers, stages, crossing",
     [
-        (4096, 14336, ops.ISSUE_BOUND_K, 448, None, False),  # the rule's: 52 SMs hold 4 runs
-        (4096, 14336, ops.ISSUE_BOUND_K_FAST_MEMORY, 528, 4, True),  # even: 64 -> 55 K tiles
-        (18944, 3584, ops.ISSUE_BOUND_K_FAST_MEMORY, 528, None, True),  # 76 -> 63 (runs of 18)
-        (8192, 28672, ops.ISSUE_BOUND_K_FAST_MEMORY, 896, None, False),  # 6.8 per SM: as is
+        (4096, 14336, False, 448, None, False),  # the rule's: 52 SMs hold 4 runs
+        (4096, 14336, True, 528, 4, True),  # even: 64 -> 55 K tiles, with the deeper ring
+        (18944, 3584, True, 528, None, True),  # 76 -> 63 (runs of 18)
+        (8192, 28672, True, 896, None, False),  # 6.8 per SM: as it was
     ],
 )
 def test_k4_plan_on_fast_memory_takes_the_even_grid(
-    K, N, bound, workers, stages, crossing, fake_gpu, loaded_variants, gen, monkeypatch
+    K, N, fast, workers, stages, crossing, fake_gpu, loaded_variants, gen, monkeypatch
 ):
-    """On a device whose k = 4 GEMV is issue-bound (``ops.gemv_issue_bound``) a k = 4 plan at
-    M = 1 takes the even grid where it cuts the busiest SM's K tiles (``even_workers``), on
-    the crossing variant, with the deeper ring where that grid has few, short runs; on the
-    H100's set, the rule's grid."""
-    import dataclasses
-
-    from kbit_cute import device as kdev
-
+    """On a device of fast memory (``ops.has_fast_memory``), where k = 4 is issue-bound, a
+    k = 4 plan at M = 1 takes the even grid where it cuts the busiest SM's K tiles
+    (``even_workers``), on the crossing variant, with the deeper ring where that grid has
+    few, short runs; on the H100, the rule's grid."""
+    fast_gpu(monkeypatch, fast)
     calls, _ = fake_gpu
-    gbs = 4915.2 if 4 in bound else 3352.3
-    props = dataclasses.replace(kdev.check_device(7), memory_gbs=gbs)
-    monkeypatch.setattr(kdev, "check_device", lambda index: props)
     w = fake_weight(gen, N, K, 4, torch.float16)
     kbit_cute.gemm(fake(torch.randn(1, K, generator=gen).half()), w)
     assert loaded_variants == [(4, 1, torch.float16, None, stages, False, crossing, False)]
     assert calls[0][12] == workers
+
+
+def fast_gpu(monkeypatch, fast: bool) -> None:
+    """``fake_gpu``'s device with the H200's (fast) or the H100's memory bandwidth."""
+    import dataclasses
+
+    from kbit_cute import device as kdev
+
+    props = dataclasses.replace(kdev.check_device(7), memory_gbs=4814.3 if fast else 3352.3)
+    monkeypatch.setattr(kdev, "check_device", lambda index: props)
+
+
+@pytest.mark.parametrize(
+    "K, N, fast, stages",
+    [
+        (8192, 28672, False, 2),  # 224 x 8 runs wanted: more than MORE_QUADS_FROM per SM
+        (4096, 14336, False, None),  # 112 x 4 runs: 3 stages on the H100
+        (4096, 14336, True, 2),  # over MORE_QUADS_FAST_ELEMS on the H200
+        (2048, 5120, True, 2),
+        (2048, 4096, True, None),  # 2^23 elements: 3 stages
+    ],
+)
+def test_k5_m8_shallow_ring_by_device(
+    K, N, fast, stages, fake_gpu, loaded_variants, gen, monkeypatch
+):
+    """k = 5 at M = 5..8 (``ops.gemv_variant``): the 2-stage ring with more quads per CTA
+    where the split rule wants more than ``MORE_QUADS_FROM`` workers per SM and, on devices of
+    fast memory, on weights of more than ``MORE_QUADS_FAST_ELEMS`` elements."""
+    fast_gpu(monkeypatch, fast)
+    w = fake_weight(gen, N, K, 5, torch.float16)
+    kbit_cute.gemm(fake(torch.randn(8, K, generator=gen).half()), w)
+    assert [key[:5] for key in loaded_variants] == [(5, 8, torch.float16, None, stages)]
 
 
 def test_k4_deep_ring_plan_loads_its_variant(fake_gpu, loaded_variants, gen):
@@ -935,7 +963,7 @@ def test_every_planned_gemv_variant_is_registered(arch, monkeypatch):
     """Every variant a plan can load (``_GemvPlan``: rows bucket, row sets, lookup, ring
     depth, CTA groups, runs across strips) is one ``gemv.specs`` ships for the arch, so that
     precompile and warmup build what dispatch loads: k = 2..5, both dtypes, weights from
-    512x512 to 8192x28672, on 132 and 78 SMs, with the H100's and the H200's issue-bound k."""
+    512x512 to 8192x28672, on 132 and 78 SMs, with slow (H100) and fast (H200) memory."""
     from kbit_cute import compile as kc
     from kbit_cute.kernels import gemv
 
@@ -947,14 +975,12 @@ def test_every_planned_gemv_variant_is_registered(arch, monkeypatch):
     for k in (2, 3, 4, 5):
         for K, N in shapes:
             for dtype in (torch.float16, torch.bfloat16):
-                for sms, bound in itertools.product(
-                    (132, 78), (ops.ISSUE_BOUND_K, ops.ISSUE_BOUND_K_FAST_MEMORY)
-                ):
-                    plan = ops._GemvPlan(k, N, K, dtype, sms, bound)
+                for sms, fast in itertools.product((132, 78), (False, True)):
+                    plan = ops._GemvPlan(k, N, K, dtype, sms, fast)
                     for (m, sets), (lookup, stages) in plan.variants.items():
                         f = (m, sets)
                         name = gemv.gemv_spec(
                             k, m, ops._GEMV_DTYPES[dtype], stages, lookup, None,
                             plan.groups[f], plan.crossing[f], sets > 1,
                         ).name  # fmt: skip
-                        assert name in shipped, (arch, k, K, N, sms, bound, name)
+                        assert name in shipped, (arch, k, K, N, sms, fast, name)

@@ -173,9 +173,18 @@ SMALL_WEIGHT_LOOKUP = {5: "shuffle"}
 # M = 1 50.48 / 57.28, M = 2 58.74 / 58.60, and 3 stages faster at M = 1, 2 on 28672x8192,
 # 4096x14336 and 3584x18944 too (1.4-7.4%); on the H100 the library's M = 1 (2 stages) took
 # 56.07 us where 3 stages had measured 53.8 (sessions 34-35, 40).
+# On devices of fast memory (``ops.has_fast_memory``: the H200) the shallow ring also wins on
+# weights of more than MORE_QUADS_FAST_ELEMS elements with fewer workers: H200, M = 5 / 8, us,
+# 3 / 2 stages (``perf.gemv_kernel_check --no-check --k 5 --m 5 8 --stages 2 3 --passes 3``,
+# session 41): 3584x18944 24.05 / 20.39, 24.99 / 21.31; 5120x13824 22.91 / 20.32; 4096x14336
+# 18.97 / 18.05; 28672x8192 57.05 / 54.86; 2048x10240 9.84 / 9.26; 2048x5120 7.06 / 6.93, 7.39
+# / 7.17; 5120x2048 8.05 / 7.94; 11008x4096, 10240x2048 1-3% faster; 14336x4096, 18944x3584
+# within 1%; up to 2^23 elements slower: 4096x2048 7.14 / 8.68, 2048x2048 5.53 / 6.26,
+# 2048x4096 6.56 / 6.85.
 MORE_QUADS_STAGES = {5: 2}
 MORE_QUADS_M = (8,)
 MORE_QUADS_FROM = 5
+MORE_QUADS_FAST_ELEMS = 1 << 23
 # Shared-memory tables indexed by one byte of index fields, a copy per lane of a wavefront
 # so that its loads hit distinct banks (``TABLE_COPIES``); a prmt builds the byte address
 # row * 256 + lane copy from the fields' byte and the lane's byte. Pair table (k = 3, 4): row
@@ -1832,7 +1841,7 @@ def specs(arch: str | None = None):
             for d in _DTYPES
         ]
         + [  # runs across strips: what ``ops.even_workers`` gives (M = 1, sm_90; k = 4 on
-            # devices of fast memory, ``ops.gemv_issue_bound``), ring depths as above
+            # devices of fast memory, ``ops.has_fast_memory``), ring depths as above
             gemv_spec(k, 1, d, st, crossing=True)
             for k in (2, 3, 4, 5)
             for st in (None, *_more_quads_stages(k, 1), *_deep_ring_stages(k, 1, sm90))
