@@ -1,7 +1,9 @@
-"""The README's performance section, generated from perf/results/h100.json.
+"""The README's performance section, generated from perf/results/h100.json, and the full
+tables of each results file (h100.md; h200.md from h200.json, runs of another GPU that the
+README quotes in prose only).
 
-    python -m perf readme            # rewrite README.md between the markers, h100.md, the plot
-    python -m perf readme --check    # exit 1 if README.md or h100.md differ from the JSON
+    python -m perf readme            # rewrite README.md between the markers, the .md files, the plot
+    python -m perf readme --check    # exit 1 if README.md or an .md file differs from its JSON
 
 Only the text between ``<!-- perf:begin -->`` and ``<!-- perf:end -->`` is ours; CI
 (tests/test_perf_readme.py) checks that it matches the committed JSON. Tables use our own
@@ -24,6 +26,8 @@ README = REPO_ROOT / "README.md"
 RESULTS = REPO_ROOT / "perf" / "results" / "h100.json"
 FULL = REPO_ROOT / "perf" / "results" / "h100.md"
 PLOT = REPO_ROOT / "perf" / "results" / "h100-speedup.png"
+# Results of other GPUs: full tables only (``render_full``), no README section.
+OTHER_RESULTS = (REPO_ROOT / "perf" / "results" / "h200.json",)
 README_MS = (1, 4, 16, 64, 256, 4096)  # the README rows; h100.md has every M
 
 
@@ -97,9 +101,10 @@ def render_section(coll: dict, results_rel: str = "perf/results") -> str:
     return "\n".join(out)
 
 
-def render_full(coll: dict) -> str:
-    """h100.md: every run's full tables."""
-    parts = ["# H100 results (generated from h100.json by `python -m perf readme`)\n"]
+def render_full(coll: dict, results: Path = RESULTS) -> str:
+    """h100.md (h200.md ...): every run's full tables of a results file."""
+    title = f"# {results.stem.upper()} results (generated from {results.name} by `python -m perf readme`)"
+    parts = [title + "\n"]
     for run in coll["runs"]:
         parts.append(f"## {run['kind']}\n")
         if run["kind"] == "moe":
@@ -138,21 +143,26 @@ def main(argv=None) -> int:
               "`python -m perf merge ... --out` first", file=sys.stderr)  # fmt: skip
         return 2
     coll = load(args.results)
-    section, full = render_section(coll), render_full(coll)
+    section = render_section(coll)
     text = args.readme.read_text()
-    full_path = args.results.with_suffix(".md")
+    # (results file -> its full tables) for the README's GPU and the others
+    fulls = {args.results: render_full(coll, args.results)}
+    fulls |= {p: render_full(load(p), p) for p in OTHER_RESULTS if p.exists()}
     if args.check:
         ok = extract_section(text) == section.strip("\n")
-        ok_full = full_path.exists() and full_path.read_text() == full
         if not ok:
             print(f"{args.readme}: performance section differs from {args.results}; "
                   "run `python -m perf readme`", file=sys.stderr)  # fmt: skip
-        if not ok_full:
-            print(f"{full_path} differs from {args.results}", file=sys.stderr)
-        return 0 if ok and ok_full else 1
+        for results, full in fulls.items():
+            full_path = results.with_suffix(".md")
+            if not (full_path.exists() and full_path.read_text() == full):
+                print(f"{full_path} differs from {results}", file=sys.stderr)
+                ok = False
+        return 0 if ok else 1
     args.readme.write_text(replace_section(text, section))
-    full_path.write_text(full)
-    print(f"wrote {args.readme} section and {full_path}")
+    for results, full in fulls.items():
+        results.with_suffix(".md").write_text(full)
+    print(f"wrote {args.readme} section and {', '.join(str(p.with_suffix('.md')) for p in fulls)}")
     target = plot_target(coll)
     if target is not None and not args.no_plot:
         from . import plots

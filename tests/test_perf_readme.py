@@ -1,4 +1,5 @@
-"""The README's performance section and perf/results/h100.md match perf/results/h100.json."""
+"""The README's performance section and perf/results/h100.md match perf/results/h100.json;
+the other GPUs' full tables (h200.md) match theirs."""
 
 import pytest
 
@@ -18,6 +19,18 @@ def test_readme_matches_committed_results():
     assert readme_tables.FULL.read_text() == readme_tables.render_full(coll), (
         "perf/results/h100.md is stale: run `python -m perf readme`"
     )
+
+
+@pytest.mark.parametrize("results", readme_tables.OTHER_RESULTS, ids=lambda p: p.name)
+def test_other_gpus_full_tables_match_their_results(results):
+    """perf/results/h200.md (runs of a GPU the README quotes in prose only) matches its JSON."""
+    if not results.exists():
+        pytest.skip(f"{results.name} not committed")
+    full = readme_tables.render_full(readme_tables.load(results), results)
+    assert results.with_suffix(".md").read_text() == full, (
+        f"{results.with_suffix('.md').name} is stale: run `python -m perf readme`"
+    )
+    assert full.startswith(f"# {results.stem.upper()} results")
 
 
 def test_readme_has_the_markers():
