@@ -74,9 +74,14 @@ def device_props(index: int) -> DeviceProps:
         return int(_check(driver.cuDeviceGetAttribute(a, dev)))
 
     name = _check(driver.cuDeviceGetName(256, dev))
-    # double data rate: 2 transfers per memory clock (kHz) over the bus (bits)
-    memory_khz = get(attr.CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE)
-    bus_bits = get(attr.CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)
+    # double data rate: 2 transfers per memory clock (kHz) over the bus (bits); a driver that
+    # no longer reports the clock (deprecated in CUDA 13's runtime) leaves it unknown (0), which
+    # only costs the fast-memory plans (``ops.has_fast_memory``), never the device itself
+    try:
+        memory_khz = get(attr.CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE)
+        bus_bits = get(attr.CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)
+    except RuntimeError:
+        memory_khz = bus_bits = 0
     return DeviceProps(
         index=index,
         name=name.split(b"\0", 1)[0].decode(),

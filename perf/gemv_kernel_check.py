@@ -49,7 +49,8 @@ def grid_for(qw, M, dtype, workers, stages=None, lookup=None, quads=None) -> tup
     """(workers, CTAs) of a variant: ``workers`` an int, "auto" (the library's rule), "sN"
     (column tiles x N: an N-way split-K) or "fF" (F x the variant's resident quads)."""
     kern = GemvKernel(qw.k, _M_BUCKET[M], _DTYPES[_NAMES[dtype]], stages, lookup, quads)
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    props = device_props(torch.cuda.current_device())
+    sm_count = props.sm_count
     w = str(workers)
     if w == "auto":
         n = None
@@ -59,7 +60,7 @@ def grid_for(qw, M, dtype, workers, stages=None, lookup=None, quads=None) -> tup
         n = max(1, int(float(w[1:]) * sm_count * kern.ctas_per_sm * kern.quads))
     else:
         n = int(w)
-    return kernel_grid(kern, qw.N, qw.K, sm_count, n, has_fast_memory(device_props(0)))
+    return kernel_grid(kern, qw.N, qw.K, sm_count, n, has_fast_memory(props))
 
 
 def run_gemv(A, qw, out, workers="auto", stages=None, lookup=None, quads=None, crossing=None):
@@ -75,14 +76,13 @@ def run_gemv(A, qw, out, workers="auto", stages=None, lookup=None, quads=None, c
     if CTA_GROUPS == "auto":
         groups = gemv_cta_groups(m, qw.N, (n, ctas), (lookup, stages))
     if crossing is None:
-        fast = has_fast_memory(device_props(0))
+        fast = has_fast_memory(device_props(torch.cuda.current_device()))
         crossing = gemv_crossing(m, qw.k, qw.N, (n, ctas), groups, fast)
     fn = launcher(gemv_spec(qw.k, m, _NAMES[A.dtype], stages, lookup, quads, groups, crossing))
     need = 2 * n * m * COLS_PER_GROUP
     if _ws.numel() < need or _ws.device.type != "cuda":
-        _ws = torch.full((max(need, 1 << 22),), EMPTY_SLOT, dtype=torch.int32, device="cuda").view(
-            torch.float32
-        )
+        slots = torch.full((max(need, 1 << 22),), EMPTY_SLOT, dtype=torch.int32, device="cuda")
+        _ws = slots.view(torch.float32)
         _counters = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
     fn(A, qw.packed, qw.absmax, qw.codebook, qw.scale, out, out, _ws, _counters,
        M, qw.N, qw.K, n, ctas, *GemvKernel.cta_args(groups, qw.N, n, ctas), 0)  # fmt: skip

@@ -2,7 +2,7 @@
 tables of each results file (h100.md; h200.md from h200.json, runs of another GPU that the
 README quotes in prose only).
 
-    python -m perf readme            # rewrite README.md between the markers, the .md files, the plot
+    python -m perf readme            # rewrite README.md's section, the .md files, the plot
     python -m perf readme --check    # exit 1 if README.md or an .md file differs from its JSON
 
 Only the text between ``<!-- perf:begin -->`` and ``<!-- perf:end -->`` is ours; CI
@@ -103,8 +103,8 @@ def render_section(coll: dict, results_rel: str = "perf/results") -> str:
 
 def render_full(coll: dict, results: Path = RESULTS) -> str:
     """h100.md (h200.md ...): every run's full tables of a results file."""
-    title = f"# {results.stem.upper()} results (generated from {results.name} by `python -m perf readme`)"
-    parts = [title + "\n"]
+    gpu, source = results.stem.upper(), results.name
+    parts = [f"# {gpu} results (generated from {source} by `python -m perf readme`)\n"]
     for run in coll["runs"]:
         parts.append(f"## {run['kind']}\n")
         if run["kind"] == "moe":

@@ -41,9 +41,10 @@ def main() -> None:
             if k in DEEP_RING_STAGES and ops._M_BUCKET[M] in DEEP_RING_M:  # (``ops.gemv_variant``)
                 run_gemv(A, qw, out, "s64", DEEP_RING_STAGES[k])
     gemv_kernel_check.CTA_GROUPS = "auto"
-    # The ``crossing`` variants (the ring runs on across a strip's end, k = 4's deeper one too): runs of 3-4 K tiles
-    # over strips of 17 (37 workers), strips of one K tile (every step a crossing), and CTAs
-    # of 2-3 consecutive workers (300 runs of 3-4 K tiles on 132 CTAs).
+    # The ``crossing`` variants (the ring runs on across a strip's end; k = 4's deeper ring
+    # too): runs of 3-4 K tiles over strips of 17 (37 workers), strips of one K tile (every
+    # step a crossing), and CTAs of 2-3 consecutive workers (300 runs of 3-4 K tiles on 132
+    # CTAs).
     for k in (2, 3, 4, 5):
         for K, N, workers in ((1056, 1000, 37), (64, 1000, 5), (4096, 2048, 300)):
             qw = kbit_cute.quantize(torch.randn(N, K, device="cuda"), k)

@@ -230,6 +230,7 @@ def test_device_props_from_the_driver():
     assert p.capability == (tp.major, tp.minor)
     assert p.sm_count == tp.multi_processor_count
     assert p.l2_bytes > 0 and p.smem_per_block_optin >= 48 << 10
+    assert p.memory_gbs > 100  # (peak DRAM bandwidth: every sm_80+ GPU streams more)
     assert kc.target_arch() == os.environ.get("CUTE_DSL_ARCH", p.arch)
 
 

@@ -889,6 +889,44 @@ def test_fast_memory_by_bandwidth_per_sm():
     assert ops.issue_bound_k(True) == (2, 3, 4, 5)
 
 
+def test_device_props_bandwidth_from_the_driver_or_unknown(monkeypatch):
+    """``device.device_props``: peak DRAM bandwidth = 2 x memory clock x bus width (an H200's
+    3.134 GHz x 6144 bits: 4814 GB/s); a driver that does not report the clock leaves it 0
+    (slow memory for ``ops.has_fast_memory``) instead of failing the device."""
+    from cuda.bindings import driver
+
+    from kbit_cute import device as kdev
+
+    A, ok = driver.CUdevice_attribute, driver.CUresult.CUDA_SUCCESS
+    values = {A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: 9,
+              A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: 0,
+              A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: 132,
+              A.CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE: 3_134_000,
+              A.CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH: 6144}  # fmt: skip
+    monkeypatch.setattr(driver, "cuInit", lambda flags: (ok,))
+    monkeypatch.setattr(driver, "cuDeviceGet", lambda i: (ok, i))
+    monkeypatch.setattr(driver, "cuDeviceGetName", lambda n, dev: (ok, b"stub\0"))
+    monkeypatch.setattr(driver, "cuGetErrorString", lambda err: (ok, b"not supported"))
+    monkeypatch.setattr(driver, "cuDeviceGetAttribute", lambda a, dev: (ok, values.get(a, 1 << 20)))
+    props = kdev.device_props.__wrapped__(0)
+    assert props.sm_count == 132 and round(props.memory_gbs) == 4814
+    assert ops.has_fast_memory(props)
+    del values[A.CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE]
+    failing = driver.CUresult.CUDA_ERROR_NOT_SUPPORTED
+
+    def attribute(a, dev):
+        return (
+            (failing, 0)
+            if a == A.CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE
+            else (ok, values.get(a, 1 << 20))
+        )
+
+    monkeypatch.setattr(driver, "cuDeviceGetAttribute", attribute)
+    props = kdev.device_props.__wrapped__(0)
+    assert props.sm_count == 132 and props.memory_gbs == 0.0
+    assert not ops.has_fast_memory(props)
+
+
 @pytest.mark.parametrize(
     "K, N, fast, workers, stages, crossing",
     [
