@@ -125,6 +125,38 @@ def test_gemv_lookups_give_the_mma_pairs(k, lookup, m, gen):
             assert got == (codes[idx[ja]], codes[idx[jb]]), (k, ja, jb)
 
 
+@pytest.mark.parametrize("m", [1, 2])
+def test_gemv_quad_roles_give_the_mma_rows(m, gen):
+    """k = 2 at M <= 2 (``GemvKernel.quad_roles``), emulated on host ints: for each column
+    of a thread's row-tile pair and each mma step, the two quad entries' low pairs (row g)
+    hold role 0's K positions (bit 2 clear) and their high pairs (row g + 8) the same
+    positions + 4, so a role 1 lane's activations read 4 positions on match; each column's
+    16 positions are covered once, and the entries are the indices the planes hold."""
+    from kbit_cute.kernels.gemv import THREAD_K, GemvKernel, _quad_role_steps
+
+    kern = GemvKernel(2, m, None)
+    assert kern.lookup == "quad_table"
+    idx = torch.randint(0, 4, (1, 32), generator=gen, dtype=torch.uint8)  # 16 K of 2 columns
+    planes = [int(w) & 0xFFFFFFFF for w in fmt.pack_bitplanes(idx, 2).tolist()]
+    idx = idx[0].tolist()
+    fields = planes_to_fields(planes, 2, kern.field_width, False, kern.select_widths)
+    steps = _quad_role_steps(fields)
+    role0 = sorted(e for _, _, ks in steps for pair in ks for e in pair)
+    assert role0 == [0, 1, 2, 3, 8, 9, 10, 11]  # what read_activations loads, role 1 + 4
+    for h in range(2):  # the row-tile pair's column: bits 16 h .. 16 h + 15 of the planes
+        seen = []
+        for word, quad_bytes, ks in steps:
+            for byte, (ea, eb) in zip(quad_bytes, ks, strict=True):
+                # the table row the address selects: fields 0, 1 | 2, 3 of the byte
+                addr = _prmt(word, 7 * 8, 0x5504 | (byte + 2 * h) << 4)
+                v = addr >> 8
+                quad = [(v >> (2 * i)) & 3 for i in range(4)]
+                assert quad[:2] == [idx[16 * h + ea], idx[16 * h + eb]]  # row g: role 0
+                assert quad[2:] == [idx[16 * h + ea + 4], idx[16 * h + eb + 4]]  # row g + 8
+                seen += [ea, eb, ea + 4, eb + 4]
+        assert sorted(seen) == list(range(THREAD_K))
+
+
 def test_pair_selector_joins_halves():
     a, b = 0x2222_1111, 0x4444_3333
     assert _prmt(a, b, dh.pair_selector(0, 0)) == 0x3333_1111

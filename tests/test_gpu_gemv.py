@@ -258,8 +258,9 @@ def test_gemv_runs_across_strips_keep_the_ring_running(k, stages, lookup, dtype)
     Bit-identical to the variant that drains and refills the ring at each crossing (the same
     sums in the same order) where the runs are equal, within the reference's tolerance; the
     split slots left empty. Where ``gemv.QUAD_SKEW`` shifts them (k = 3 on 4096x14336: by up
-    to a K tile) or the crossing variant scales after the mma and the other does not (k = 2,
-    ``split_blocks``), its own repeat bit-identical instead."""
+    to a K tile) or one variant scales after the mma and the other does not
+    (``split_blocks``, on a target where they differ), its own repeat bit-identical
+    instead."""
     from perf import gemv_kernel_check
     from perf.gemv_kernel_check import run_gemv
 

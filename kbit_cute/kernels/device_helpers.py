@@ -354,17 +354,22 @@ SPLIT_FACTOR = 16.0
 def absmax_pair_f32(codes: Uint32):
     """A column's two E4M4 codes (bytes 0, 1 of ``codes``) -> (fp32, fp32) of value / 16."""
     half2 = prmt(Uint32(codes), Uint32(0), 0x4140) << Uint32(6)  # code << 6 in each half
-    lo = llvm.inline_asm(
+    return _half_to_f32(half2, "l"), _half_to_f32(half2, "h")
+
+
+def absmax_f32(code: Uint32):
+    """One E4M4 code (0..255, zero-extended) -> fp32 of value / 16."""
+    return _half_to_f32(Uint32(code) << Uint32(6), "l")
+
+
+def _half_to_f32(half2: Uint32, which: str) -> Float32:
+    """The fp16 in the low ("l") or high ("h") half of ``half2`` as fp32 (one HADD2.F32)."""
+    out = llvm.inline_asm(
         T.f32(), [Uint32(half2).ir_value()],
-        "{ .reg .b16 l, h; mov.b32 {l, h}, $1; cvt.f32.f16 $0, l; }", "=f,r",
+        f"{{ .reg .b16 l, h; mov.b32 {{l, h}}, $1; cvt.f32.f16 $0, {which}; }}", "=f,r",
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
     )  # fmt: skip
-    hi = llvm.inline_asm(
-        T.f32(), [Uint32(half2).ir_value()],
-        "{ .reg .b16 l, h; mov.b32 {l, h}, $1; cvt.f32.f16 $0, h; }", "=f,r",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-    )  # fmt: skip
-    return Float32(lo), Float32(hi)
+    return Float32(out)
 
 
 def pair_table_index(p: int, k: int) -> tuple[int, int]:

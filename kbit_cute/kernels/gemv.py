@@ -22,9 +22,10 @@ more than M = 1. What is left per weight is the dequantization into fp16/bf16 pa
   weights, sm_80; register lookups also serve k <= 4 in single-quad CTAs, e.g. the grouped
   MoE kernel), times the block's absmax (one 2-wide multiply; the E4M4 byte becomes a
   half2 scale with one IMAD, ``absmax_x2``). At M <= 4, k = 3, 4, M = 1, k = 5 (table
-  lookups) and M = 1, k = 2 (runs across strips) the scale comes after the mma instead:
-  its activation columns 2 m + b hold row m masked to block b, and each tile's results are
-  folded with fp32 block scales (``split_blocks``);
+  lookups) and M <= 2, k = 2 the scale comes after the mma instead: its activation
+  columns 2 m + b hold row m masked to block b, and each tile's results are folded with
+  fp32 block scales (``split_blocks``); for k = 2 a quad entry's two pairs feed the mma's
+  two rows of one column, each against its own activation column (``quad_roles``);
 * mma.sync pairs K positions to registers in a fixed pattern; since the dot product does
   not care about the order of K, each register takes the two weights that the SWAR fields
   deliver side by side, and the activations are permuted to match (one ``prmt`` per pair,
@@ -70,6 +71,7 @@ from .device_helpers import (
     EMPTY_SLOT,
     SLOT_POLL_NS,
     SPLIT_FACTOR,
+    absmax_f32,
     absmax_pair_f32,
     absmax_x2,
     bits_to_f32,
@@ -372,20 +374,38 @@ class GemvKernel:
         # mma (``mma_tile``), not onto every weight pair: 14-16 instructions per K tile less
         # (k = 3 M = 4 210 -> 195). M = 1: 2-5% faster (session 19); M = 2, 4 with the CTA
         # groups of session 31: k = 3 0.90-0.99x, k = 4 0.97-1.00x (A/B, 10 shapes, session
-        # 36). Not taken: k = 2 (its quads cost two multiplies per shared-memory load: 10
-        # instructions more), k = 5 at M = 2, 4 (0.98-1.03x, mostly slower), k = 5 with
+        # 36). Not taken: k = 2 at M = 4, 8 (its quads cost two multiplies per shared-memory
+        # load: 10 instructions more), k = 5 at M = 2, 4 (0.98-1.03x, mostly slower), k = 5 with
         # shuffles, sm_80 (k = 3 spilled at its 72-register bound). k = 5's pair table at
         # M = 1 takes it (not measured without: M = 1 and 2 ran within 1% there). k = 2 at
         # M = 1 in the crossing variant (the one large weights run), which is latency-bound,
         # not issue-bound (ncu, session 39): 161 instructions per K tile against 147, but no
         # multiply between each table load and its mma; 8192x28672 30.57 / 31.00 -> 30.07 /
         # 30.05 us, 28672x8192 29.66 / 30.15 -> 29.43 / 29.68 (alternate processes, session
-        # 40). The plain k = 2 variants spill with it (72 registers).
-        self.split_blocks = (
-            (m <= 4 and k in (3, 4) or m == 1 and self.lookup == "pair_table5"
-             or m == 1 and self.lookup == "quad_table" and crossing)
-            and target_arch_family() == "sm_90"
+        # 40); the plain k = 2 variants spilled with it (72 registers). Since session 42 k = 2
+        # at M <= 2 scales after the mma in every variant, in ``quad_roles``' mma layout.
+        #
+        # ``quad_roles`` (k = 2, M <= 2, the quad table): a quad entry's two pairs (fields 0,
+        # 1 and 2, 3 of a byte: the thread's K positions e, e + 2 and e + 4, e + 6) go to
+        # the mma's rows g and g + 8 as they load, both of the same weight column: row g
+        # takes the positions with bit 2 clear ("role 0"), row g + 8 those with it set
+        # ("role 1"), each against an activation column of its own (``read_tile``). So no
+        # register moves between a quad load and its mma (per-column entries needed ~25 per
+        # K tile), 4 activation pairs per K tile instead of 8, and one fp32 scale per column
+        # and lane: K loop (gemv_k2_m1/m2_f16, sm_90a) 148 -> 130 / 127 instructions, the
+        # crossing variant 161 -> 131; library A/B on the H200 (session 42, two rounds,
+        # alternating processes, us, M = 1 / 2): 8192x28672 30.35 / 31.76 -> 29.01 / 30.11,
+        # 28672x8192 30.43 -> 28.52, 4096x14336 10.34 / 10.68 -> 9.53 / 10.25, 14336x4096
+        # 10.57 -> 9.94, 3584x18944 11.56 -> 10.66, 2048x5120 4.35 -> 4.10, 2048x2048 3.30 /
+        # 3.69 -> 3.14 / 3.53, 512x2048 2.61 / 2.62 -> 2.60 / 2.51. B's 8 columns hold (row,
+        # block, role): M <= 2.
+        self.quad_roles = (
+            self.lookup == "quad_table" and m <= 2 and target_arch_family() == "sm_90"
         )  # fmt: skip
+        self.split_blocks = (
+            (m <= 4 and k in (3, 4) or m == 1 and self.lookup == "pair_table5")
+            and target_arch_family() == "sm_90"
+        ) or self.quad_roles  # fmt: skip
         self.table = self.lookup in TABLE_ENTRY_BYTES  # a shared-memory table per CTA
         self.table_bytes = TABLE_BYTES_OF.get(self.lookup, 0)
         # pair_table5 merges planes 0-3 as k = 4 does (4-bit fields); plane 4 goes into the
@@ -638,6 +658,8 @@ class GemvKernel:
                 else:
                     primed = Int32(nt == nt_first) if cutlass.const_expr(self.table) else None
                     self.mainloop(mA, mW, mS, col0, rows, t, kt_begin, kt_end, ctx, primed=primed)
+                if cutlass.const_expr(self.quad_roles):
+                    self.combine_roles(acc)
                 epi = (scale, mBias, mOut, has_bias, nt)
                 plan = (units, workers, k_tiles)
                 if grouped:
@@ -992,7 +1014,8 @@ class GemvKernel:
         return (
             cute.make_rmem_tensor((self.k, 2 * ROW_TILES), Int32),
             cute.make_rmem_tensor(
-                (2 * ROW_TILES,), cutlass.Uint16 if self.split_blocks else cutlass.Uint8
+                (2 * ROW_TILES,),
+                cutlass.Uint16 if self.split_blocks and not self.quad_roles else cutlass.Uint8,
             ),
             activations,
         )
@@ -1110,7 +1133,9 @@ class GemvKernel:
             c = g + 8 * j
             w_off = cute.assume(c * (BLOCKS_PER_TILE_K * k) + kb * k, divby=k if k % 2 == 0 else 1)
             cute.autovec_copy(cute.make_tensor(src + w_off, cute.make_layout(k)), rW[None, j])
-            if cutlass.const_expr(self.split_blocks):  # both blocks' codes
+            if cutlass.const_expr(self.quad_roles):  # the code of the lane's block t % 2
+                rS[j] = absmax[c * BLOCKS_PER_TILE_K + t % 2]
+            elif cutlass.const_expr(self.split_blocks):  # both blocks' codes
                 rS[j] = cute.make_tensor(
                     cute.recast_ptr(absmax.iterator, dtype=cutlass.Uint16), cute.make_layout(32)
                 )[c]
@@ -1121,7 +1146,14 @@ class GemvKernel:
         # columns keep finite values (zeros or an earlier tile's) and are never stored.
         # Without REAL_ROWS_ONLY they read row count - 1 instead.
         _, n_rows = rows
-        if cutlass.const_expr(self.split_blocks):
+        if cutlass.const_expr(self.quad_roles):
+            # mma column g = 4 m + 2 b + role takes row m's activations in block b at the
+            # role's K positions (``read_activations``); the lanes whose K positions (block
+            # t // 2) are of another block keep zeros.
+            rA.fill(0.0)  # (per tile: no registers live across the K loop for them)
+            if g // 4 < n_rows and g // 2 % 2 == kb:
+                self.read_activations(src, g // 4, t, rA, g % 2)
+        elif cutlass.const_expr(self.split_blocks):
             # mma column g = 2 m + b takes row m's activations in block b: the lanes whose
             # K positions (block t // 2) are of another block keep zeros.
             if g // 2 < n_rows and g % 2 == kb:
@@ -1133,8 +1165,10 @@ class GemvKernel:
             self.read_activations(src, cutlass.min(g, n_rows - 1), t, rA)
 
     @cute.jit
-    def read_activations(self, src, row, t, rA):
-        """The thread's 16 activations of ``row`` (K run t) from the ring stage at ``src``."""
+    def read_activations(self, src, row, t, rA, role=None):
+        """The thread's 16 activations of ``row`` (K run t) from the ring stage at ``src``;
+        with ``role`` (``quad_roles``) only K positions 0-3 and 8-11, which are role 0's,
+        role 1 reading them 4 positions on (its own, e + 4) into the same places."""
         a_off = cute.assume(
             WARP_COLS * BLOCKS_PER_TILE_K * self.k
             + ABSMAX_WORDS
@@ -1143,7 +1177,15 @@ class GemvKernel:
             divby=CHUNK_WORDS,
         )
         src = cute.recast_ptr(src + a_off, dtype=self.dtype)
-        cute.autovec_copy(cute.make_tensor(src, cute.make_layout(THREAD_K)), rA)
+        if cutlass.const_expr(role is None):
+            cute.autovec_copy(cute.make_tensor(src, cute.make_layout(THREAD_K)), rA)
+        else:
+            src = src + cute.assume(role * 4, divby=4)
+            for q in cutlass.range_constexpr(0, THREAD_K // 4, 2):  # positions 4 q .. 4 q + 3
+                cute.autovec_copy(
+                    cute.make_tensor(src + 4 * q, cute.make_layout(4)),
+                    cute.make_tensor(rA.iterator + 4 * q, cute.make_layout(4)),
+                )
 
     def mma_tile(self, buf, codebook, half_select, atom, frag_a, frag_b, acc):
         """acc[r] += this K tile of the thread's columns (row tile r) times the activations."""
@@ -1164,6 +1206,10 @@ class GemvKernel:
                 absmax_x2(Uint32(rS[j]) & Uint32(0xFF), _DTYPE_NAME[self.dtype])
                 for j in range(2 * ROW_TILES)
             ]
+        if cutlass.const_expr(self.quad_roles):
+            self.mma_quad_roles(rW, rS, codebook, half_select, atom, frag_a, frag_b, act,
+                                buf[3], acc)  # fmt: skip
+            return
         b_pairs = None
         for r in range(ROW_TILES):
             # Plane b of both columns of this row tile, the thread's half of each:
@@ -1224,6 +1270,51 @@ class GemvKernel:
                 for h in range(2):
                     s0, s1 = absmax_pair_f32(rS[2 * r + h])
                     acc[r][h] = acc[r][h] + s0 * mma_acc[2 * h] + s1 * mma_acc[2 * h + 1]
+
+    def mma_quad_roles(self, rW, rS, codebook, half_select, atom, frag_a, frag_b, act,
+                       mma_accs, acc):  # fmt: skip
+        """``mma_tile`` with ``quad_roles``: acc[r][h] += this K tile of column 16 r + 8 h + g
+        for the lane's (row t // 2, block t % 2). Each column is one mma row tile: rows g
+        (role 0: K positions with bit 2 clear) and g + 8 (role 1), two mma steps of the
+        fields words' bytes; the lane's mma column 2 t is role 0 and 2 t + 1 role 1 of its
+        (row, block), so its sum is C[g, 2 t] + C[g + 8, 2 t + 1]: fragment values 0 and 3."""
+        a_regs = cute.recast_tensor(frag_a, Uint32)
+        b_regs = cute.recast_tensor(frag_b, Uint32)
+        k, W = self.k, self.field_width
+        tile_steps = []
+        for r in range(ROW_TILES):  # (the plane words die first: fewer registers live)
+            # Plane b of both columns of this row tile, the thread's half of each:
+            # bits 0-15 = column col0 + 16 r, bits 16-31 = column col0 + 16 r + 8.
+            planes = [
+                prmt(Uint32(rW[b, 2 * r]), Uint32(rW[b, 2 * r + 1]), half_select) for b in range(k)
+            ]
+            fields = planes_to_fields(planes, k, W, False, self.select_widths)
+            tile_steps.append(_quad_role_steps(fields))  # [(word, (byte, byte), K pairs)]
+        # role 0's K positions (role 1 lanes hold their own, e + 4, at e)
+        b_pairs = [[self.activation_pair(act, *e) for e in ks] for _, _, ks in tile_steps[0]]
+        for r, steps in enumerate(tile_steps):
+            for h in range(2):  # column col0 + 16 r + 8 h: bytes 2 h, 2 h + 1 of each word
+                mma_acc = mma_accs[0]  # (one fragment: 4 registers fewer)
+                mma_acc.fill(0.0)
+                for s, (word, quad_bytes, _) in enumerate(steps):
+                    for i, byte in enumerate(quad_bytes):
+                        lo, hi = self.lookup_quad(codebook, word, 4 * (byte + 2 * h))
+                        a_regs[2 * i], a_regs[2 * i + 1] = lo, hi
+                    b_regs[0], b_regs[1] = b_pairs[s]
+                    cute.gemm(atom, mma_acc, frag_a, frag_b, mma_acc)
+                acc[r][h] = acc[r][h] + absmax_f32(rS[2 * r + h]) * (mma_acc[0] + mma_acc[3])
+
+    @cute.jit
+    def combine_roles(self, acc):
+        """After a strip's K tiles (``quad_roles``): the lanes' (row t // 2, block t % 2)
+        sums into ``split_blocks``' layout, row t's column totals in lane t."""
+        for r in cutlass.range_constexpr(ROW_TILES):
+            for h in cutlass.range_constexpr(2):
+                v = acc[r][h] + cute.arch.shuffle_sync_bfly(acc[r][h], 1)  # both blocks
+                if cutlass.const_expr(self.m > 1):
+                    lane = cute.arch.lane_idx()
+                    v = cute.arch.shuffle_sync(v, lane // 4 * 4 + lane % 4 * 2 % 4)
+                acc[r][h] = v
 
     def scaled(self, pair, scale):
         """A looked-up weight pair times its block's scale (as it is with ``split_blocks``:
@@ -1725,6 +1816,23 @@ class GemvKernel:
             if has_bias != 0:
                 r = r + Float32(mBias[n])
             mOut[m, n] = self.dtype(r)
+
+
+def _quad_role_steps(fields) -> list:
+    """``quad_roles``: the two mma steps of a column as [(fields word, (byte, byte), (K
+    pair, K pair))]: each step takes bytes 0 and 1 (the column's first; its second column:
+    2 and 3) of one 2-bit fields word, whose entries give rows g and g + 8 the fields (0, 1)
+    and (2, 3) of each byte; the K pairs are role 0's (the fields 0, 1 positions)."""
+    steps = []
+    for word, elems in fields:
+        ks = []
+        for byte in (0, 1):
+            e = [elems[4 * byte + f] for f in range(4)]
+            assert e[2:] == [e[0] + 4, e[1] + 4] and e[0] & 4 == 0 == e[1] & 4, e
+            ks.append((e[0], e[1]))
+        steps.append((word, (0, 1), tuple(ks)))
+    assert len(steps) == THREAD_K // 8
+    return steps
 
 
 def _pairs_of(fields, width: int):
