@@ -125,35 +125,46 @@ def test_gemv_lookups_give_the_mma_pairs(k, lookup, m, gen):
             assert got == (codes[idx[ja]], codes[idx[jb]]), (k, ja, jb)
 
 
+@pytest.mark.parametrize("k", [2, 3, 4])
 @pytest.mark.parametrize("m", [1, 2])
-def test_gemv_quad_roles_give_the_mma_rows(m, gen):
-    """k = 2 at M <= 2 (``GemvKernel.quad_roles``), emulated on host ints: for each column
-    of a thread's row-tile pair and each mma step, the two quad entries' low pairs (row g)
-    hold role 0's K positions (bit 2 clear) and their high pairs (row g + 8) the same
-    positions + 4, so a role 1 lane's activations read 4 positions on match; each column's
-    16 positions are covered once, and the entries are the indices the planes hold."""
-    from kbit_cute.kernels.gemv import THREAD_K, GemvKernel, _quad_role_steps
+def test_gemv_row_roles_give_the_mma_rows(k, m, gen):
+    """k = 2..4 at M <= 2 (``GemvKernel.row_roles``), emulated on host ints: for each
+    column of a thread's row-tile pair and each mma step, the A fragment's row g registers
+    hold role 0's K positions (those read_activations loads) and its row g + 8 registers the
+    same positions + the role shift, which a role 1 lane's activations start at; each
+    column's 16 positions are covered once, and the entries (quad or pair table: the rows
+    the prmt addresses select) hold the indices the planes hold there."""
+    from kbit_cute.kernels.gemv import ROLE_RUNS, THREAD_K, GemvKernel, _role_steps
 
-    kern = GemvKernel(2, m, None)
-    assert kern.lookup == "quad_table"
-    idx = torch.randint(0, 4, (1, 32), generator=gen, dtype=torch.uint8)  # 16 K of 2 columns
-    planes = [int(w) & 0xFFFFFFFF for w in fmt.pack_bitplanes(idx, 2).tolist()]
+    kern = GemvKernel(k, m, None)
+    shift, runs = ROLE_RUNS[kern.lookup]
+    idx = torch.randint(0, 1 << k, (1, 32), generator=gen, dtype=torch.uint8)  # 16 K x 2
+    planes = [int(w) & 0xFFFFFFFF for w in fmt.pack_bitplanes(idx, k).tolist()]
     idx = idx[0].tolist()
-    fields = planes_to_fields(planes, 2, kern.field_width, False, kern.select_widths)
-    steps = _quad_role_steps(fields)
-    role0 = sorted(e for _, _, ks in steps for pair in ks for e in pair)
-    assert role0 == [0, 1, 2, 3, 8, 9, 10, 11]  # what read_activations loads, role 1 + 4
+    fields = planes_to_fields(planes, k, kern.field_width, False, kern.select_widths)
+    words = [w for w, _ in fields]
+    steps = _role_steps(fields, kern.lookup)
+    role0 = sorted(e for _, ks in steps for pair in ks for e in pair)
+    assert role0 == [e for first, n in runs for e in range(first, first + n)]
+    mask = (1 << k) - 1
     for h in range(2):  # the row-tile pair's column: bits 16 h .. 16 h + 15 of the planes
         seen = []
-        for word, quad_bytes, ks in steps:
-            for byte, (ea, eb) in zip(quad_bytes, ks, strict=True):
-                # the table row the address selects: fields 0, 1 | 2, 3 of the byte
-                addr = _prmt(word, 7 * 8, 0x5504 | (byte + 2 * h) << 4)
+        for sources, ks in steps:
+            regs = []
+            for w, byte, half in sources:
+                # the table row the address selects (lane 7's copy; quad: 8-byte entries)
+                entry = 8 if half is not None else 4
+                addr = _prmt(words[w], 7 * entry, 0x5504 | (byte + 2 * h) << 4)
+                assert addr % 256 == 7 * entry and addr < 256 * 256
                 v = addr >> 8
-                quad = [(v >> (2 * i)) & 3 for i in range(4)]
-                assert quad[:2] == [idx[16 * h + ea], idx[16 * h + eb]]  # row g: role 0
-                assert quad[2:] == [idx[16 * h + ea + 4], idx[16 * h + eb + 4]]  # row g + 8
-                seen += [ea, eb, ea + 4, eb + 4]
+                if half is None:  # pair row: fields 0, 1 of the byte (4 bits each)
+                    regs.append([v & mask, (v >> 4) & mask])
+                else:  # quad row: fields 0, 1 | 2, 3 (2 bits each)
+                    regs.append([(v >> (4 * half + 2 * i)) & 3 for i in range(2)])
+            for i, (ea, eb) in enumerate(ks):  # slot pair i: rows g (role 0), g + 8 (role 1)
+                assert regs[2 * i] == [idx[16 * h + ea], idx[16 * h + eb]]
+                assert regs[2 * i + 1] == [idx[16 * h + ea + shift], idx[16 * h + eb + shift]]
+                seen += [ea, eb, ea + shift, eb + shift]
         assert sorted(seen) == list(range(THREAD_K))
 
 

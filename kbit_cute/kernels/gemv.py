@@ -25,7 +25,7 @@ more than M = 1. What is left per weight is the dequantization into fp16/bf16 pa
   lookups) and M <= 2, k = 2 the scale comes after the mma instead: its activation
   columns 2 m + b hold row m masked to block b, and each tile's results are folded with
   fp32 block scales (``split_blocks``); for k = 2 a quad entry's two pairs feed the mma's
-  two rows of one column, each against its own activation column (``quad_roles``);
+  two rows of one column, each against its own activation column (``row_roles``);
 * mma.sync pairs K positions to registers in a fixed pattern; since the dot product does
   not care about the order of K, each register takes the two weights that the SWAR fields
   deliver side by side, and the activations are permuted to match (one ``prmt`` per pair,
@@ -248,6 +248,21 @@ MAX_A_BYTES = 1 << 32
 ABSMAX_WORDS = WARP_COLS * BLOCKS_PER_TILE_K // 4  # a warp's absmax bytes of a K tile
 A_ROW_WORDS = TILE_K // 2  # one activation row of a K tile (16-bit values)
 A_ROW_CHUNKS = A_ROW_WORDS // 4  # its 16-byte copies (8 activations each)
+# ``GemvKernel.row_roles``, by lookup: (K positions role 1 lies ahead of role 0, the runs
+# (first, count) of role 0's positions among a thread's 16). The quad table's entry holds
+# fields 0, 1 and 2, 3 of a byte, K positions e, e + 2 | e + 4, e + 6 (2-bit fields of even
+# or odd positions); the pair table's fields words hold positions j, j + 4 in byte 0 and
+# j + 8, j + 12 in byte 1 (4-bit fields of positions j mod 4).
+ROLE_RUNS = {"quad_table": (4, ((0, 4), (8, 4))), "pair_table": (8, ((0, 8),))}
+# Where ``row_roles`` is taken (sm_90): (k, lookup) -> the largest rows bucket (B's 8
+# columns hold (row, block, role), so at most 2). Library A/B on the H200 (session 42, two
+# rounds, alternating processes, us): k = 2 M = 1 / 2 4.5-8% faster on seven shapes
+# (8192x28672 30.35 / 31.76 -> 29.01 / 30.11); k = 4 M = 1 1-5% (8192x28672 37.67 -> 36.10,
+# 3584x18944 13.90 -> 13.18, 14336x4096 11.97 -> 11.59), but M = 2 mixed (2048x5120 4.62 ->
+# 4.96, 14336x4096 11.89 -> 12.15; its CTA-group variants spilled at 72 registers); k = 3
+# M = 1 1-2.5% (8192x28672 37.12 -> 36.47), but its crossing variant spilled at 72, and
+# M = 2 mixed: not taken.
+ROLE_MAX_M = {(2, "quad_table"): 2, (4, "pair_table"): 1}
 
 
 def gemv_mma(dtype: type[cutlass.Numeric]):
@@ -383,29 +398,25 @@ class GemvKernel:
         # multiply between each table load and its mma; 8192x28672 30.57 / 31.00 -> 30.07 /
         # 30.05 us, 28672x8192 29.66 / 30.15 -> 29.43 / 29.68 (alternate processes, session
         # 40); the plain k = 2 variants spilled with it (72 registers). Since session 42 k = 2
-        # at M <= 2 scales after the mma in every variant, in ``quad_roles``' mma layout.
+        # at M <= 2 scales after the mma in every variant, in ``row_roles``' mma layout.
         #
-        # ``quad_roles`` (k = 2, M <= 2, the quad table): a quad entry's two pairs (fields 0,
-        # 1 and 2, 3 of a byte: the thread's K positions e, e + 2 and e + 4, e + 6) go to
-        # the mma's rows g and g + 8 as they load, both of the same weight column: row g
-        # takes the positions with bit 2 clear ("role 0"), row g + 8 those with it set
-        # ("role 1"), each against an activation column of its own (``read_tile``). So no
-        # register moves between a quad load and its mma (per-column entries needed ~25 per
-        # K tile), 4 activation pairs per K tile instead of 8, and one fp32 scale per column
-        # and lane: K loop (gemv_k2_m1/m2_f16, sm_90a) 148 -> 130 / 127 instructions, the
-        # crossing variant 161 -> 131; library A/B on the H200 (session 42, two rounds,
-        # alternating processes, us, M = 1 / 2): 8192x28672 30.35 / 31.76 -> 29.01 / 30.11,
-        # 28672x8192 30.43 -> 28.52, 4096x14336 10.34 / 10.68 -> 9.53 / 10.25, 14336x4096
-        # 10.57 -> 9.94, 3584x18944 11.56 -> 10.66, 2048x5120 4.35 -> 4.10, 2048x2048 3.30 /
-        # 3.69 -> 3.14 / 3.53, 512x2048 2.61 / 2.62 -> 2.60 / 2.51. B's 8 columns hold (row,
-        # block, role): M <= 2.
-        self.quad_roles = (
-            self.lookup == "quad_table" and m <= 2 and target_arch_family() == "sm_90"
+        # ``row_roles`` (``ROLE_MAX_M``: k = 2 at M <= 2, k = 4 at M = 1): the mma's rows g
+        # and g + 8 take the same weight column, row g the thread's K positions of "role 0",
+        # row g + 8 those of role 1 (``ROLE_RUNS``' shift ahead), each against an activation
+        # column of its own (``read_tile``), so a lookup lands where the mma wants it: a
+        # quad entry's two pairs (fields 0, 1 | 2, 3 of a byte: positions e, e + 2 | e + 4,
+        # e + 6) are one load of two of its registers, where per-column entries needed ~25
+        # register moves per K tile; the activation pairs halve (4 per K tile), and each
+        # lane scales its column's sum for one block, in fp32. K loop (sm_90a, f16) k = 2
+        # M = 1 / 2 148 -> 130 / 127 instructions, its crossing variant 161 -> 131; k = 4
+        # M = 1 194 -> 183 (crossing 194 -> 187). Measured: ``ROLE_MAX_M``.
+        self.row_roles = (
+            m <= ROLE_MAX_M.get((k, self.lookup), 0) and target_arch_family() == "sm_90"
         )  # fmt: skip
         self.split_blocks = (
             (m <= 4 and k in (3, 4) or m == 1 and self.lookup == "pair_table5")
             and target_arch_family() == "sm_90"
-        ) or self.quad_roles  # fmt: skip
+        ) or self.row_roles  # fmt: skip
         self.table = self.lookup in TABLE_ENTRY_BYTES  # a shared-memory table per CTA
         self.table_bytes = TABLE_BYTES_OF.get(self.lookup, 0)
         # pair_table5 merges planes 0-3 as k = 4 does (4-bit fields); plane 4 goes into the
@@ -658,7 +669,7 @@ class GemvKernel:
                 else:
                     primed = Int32(nt == nt_first) if cutlass.const_expr(self.table) else None
                     self.mainloop(mA, mW, mS, col0, rows, t, kt_begin, kt_end, ctx, primed=primed)
-                if cutlass.const_expr(self.quad_roles):
+                if cutlass.const_expr(self.row_roles):
                     self.combine_roles(acc)
                 epi = (scale, mBias, mOut, has_bias, nt)
                 plan = (units, workers, k_tiles)
@@ -1015,7 +1026,7 @@ class GemvKernel:
             cute.make_rmem_tensor((self.k, 2 * ROW_TILES), Int32),
             cute.make_rmem_tensor(
                 (2 * ROW_TILES,),
-                cutlass.Uint16 if self.split_blocks and not self.quad_roles else cutlass.Uint8,
+                cutlass.Uint16 if self.split_blocks and not self.row_roles else cutlass.Uint8,
             ),
             activations,
         )
@@ -1133,7 +1144,7 @@ class GemvKernel:
             c = g + 8 * j
             w_off = cute.assume(c * (BLOCKS_PER_TILE_K * k) + kb * k, divby=k if k % 2 == 0 else 1)
             cute.autovec_copy(cute.make_tensor(src + w_off, cute.make_layout(k)), rW[None, j])
-            if cutlass.const_expr(self.quad_roles):  # the code of the lane's block t % 2
+            if cutlass.const_expr(self.row_roles):  # the code of the lane's block t % 2
                 rS[j] = absmax[c * BLOCKS_PER_TILE_K + t % 2]
             elif cutlass.const_expr(self.split_blocks):  # both blocks' codes
                 rS[j] = cute.make_tensor(
@@ -1146,7 +1157,7 @@ class GemvKernel:
         # columns keep finite values (zeros or an earlier tile's) and are never stored.
         # Without REAL_ROWS_ONLY they read row count - 1 instead.
         _, n_rows = rows
-        if cutlass.const_expr(self.quad_roles):
+        if cutlass.const_expr(self.row_roles):
             # mma column g = 4 m + 2 b + role takes row m's activations in block b at the
             # role's K positions (``read_activations``); the lanes whose K positions (block
             # t // 2) are of another block keep zeros.
@@ -1167,8 +1178,8 @@ class GemvKernel:
     @cute.jit
     def read_activations(self, src, row, t, rA, role=None):
         """The thread's 16 activations of ``row`` (K run t) from the ring stage at ``src``;
-        with ``role`` (``quad_roles``) only K positions 0-3 and 8-11, which are role 0's,
-        role 1 reading them 4 positions on (its own, e + 4) into the same places."""
+        with ``role`` (``row_roles``) only role 0's K positions, role 1 reading its own ones
+        (``ROLE_RUNS``' shift ahead) into the same places."""
         a_off = cute.assume(
             WARP_COLS * BLOCKS_PER_TILE_K * self.k
             + ABSMAX_WORDS
@@ -1180,11 +1191,12 @@ class GemvKernel:
         if cutlass.const_expr(role is None):
             cute.autovec_copy(cute.make_tensor(src, cute.make_layout(THREAD_K)), rA)
         else:
-            src = src + cute.assume(role * 4, divby=4)
-            for q in cutlass.range_constexpr(0, THREAD_K // 4, 2):  # positions 4 q .. 4 q + 3
+            shift, runs = ROLE_RUNS[self.lookup]
+            src = src + cute.assume(role * shift, divby=shift)
+            for first, n in runs:
                 cute.autovec_copy(
-                    cute.make_tensor(src + 4 * q, cute.make_layout(4)),
-                    cute.make_tensor(rA.iterator + 4 * q, cute.make_layout(4)),
+                    cute.make_tensor(src + first, cute.make_layout(n)),
+                    cute.make_tensor(rA.iterator + first, cute.make_layout(n)),
                 )
 
     def mma_tile(self, buf, codebook, half_select, atom, frag_a, frag_b, acc):
@@ -1206,8 +1218,8 @@ class GemvKernel:
                 absmax_x2(Uint32(rS[j]) & Uint32(0xFF), _DTYPE_NAME[self.dtype])
                 for j in range(2 * ROW_TILES)
             ]
-        if cutlass.const_expr(self.quad_roles):
-            self.mma_quad_roles(rW, rS, codebook, half_select, atom, frag_a, frag_b, act,
+        if cutlass.const_expr(self.row_roles):
+            self.mma_row_roles(rW, rS, codebook, half_select, atom, frag_a, frag_b, act,
                                 buf[3], acc)  # fmt: skip
             return
         b_pairs = None
@@ -1271,17 +1283,17 @@ class GemvKernel:
                     s0, s1 = absmax_pair_f32(rS[2 * r + h])
                     acc[r][h] = acc[r][h] + s0 * mma_acc[2 * h] + s1 * mma_acc[2 * h + 1]
 
-    def mma_quad_roles(self, rW, rS, codebook, half_select, atom, frag_a, frag_b, act,
-                       mma_accs, acc):  # fmt: skip
-        """``mma_tile`` with ``quad_roles``: acc[r][h] += this K tile of column 16 r + 8 h + g
+    def mma_row_roles(self, rW, rS, codebook, half_select, atom, frag_a, frag_b, act,
+                      mma_accs, acc):  # fmt: skip
+        """``mma_tile`` with ``row_roles``: acc[r][h] += this K tile of column 16 r + 8 h + g
         for the lane's (row t // 2, block t % 2). Each column is one mma row tile: rows g
-        (role 0: K positions with bit 2 clear) and g + 8 (role 1), two mma steps of the
-        fields words' bytes; the lane's mma column 2 t is role 0 and 2 t + 1 role 1 of its
+        (role 0) and g + 8 (role 1: K positions ``ROLE_RUNS``' shift ahead), two mma steps
+        (``_role_steps``); the lane's mma column 2 t is role 0 and 2 t + 1 role 1 of its
         (row, block), so its sum is C[g, 2 t] + C[g + 8, 2 t + 1]: fragment values 0 and 3."""
         a_regs = cute.recast_tensor(frag_a, Uint32)
         b_regs = cute.recast_tensor(frag_b, Uint32)
         k, W = self.k, self.field_width
-        tile_steps = []
+        tile_words, steps = [], None
         for r in range(ROW_TILES):  # (the plane words die first: fewer registers live)
             # Plane b of both columns of this row tile, the thread's half of each:
             # bits 0-15 = column col0 + 16 r, bits 16-31 = column col0 + 16 r + 8.
@@ -1289,24 +1301,31 @@ class GemvKernel:
                 prmt(Uint32(rW[b, 2 * r]), Uint32(rW[b, 2 * r + 1]), half_select) for b in range(k)
             ]
             fields = planes_to_fields(planes, k, W, False, self.select_widths)
-            tile_steps.append(_quad_role_steps(fields))  # [(word, (byte, byte), K pairs)]
-        # role 0's K positions (role 1 lanes hold their own, e + 4, at e)
-        b_pairs = [[self.activation_pair(act, *e) for e in ks] for _, _, ks in tile_steps[0]]
-        for r, steps in enumerate(tile_steps):
+            tile_words.append([word for word, _ in fields])
+            steps = _role_steps(fields, self.lookup)  # the same for every row tile
+        # role 0's K positions (role 1 lanes hold their own at the same places)
+        b_pairs = [[self.activation_pair(act, *e) for e in ks] for _, ks in steps]
+        for r, words in enumerate(tile_words):
             for h in range(2):  # column col0 + 16 r + 8 h: bytes 2 h, 2 h + 1 of each word
                 mma_acc = mma_accs[0]  # (one fragment: 4 registers fewer)
                 mma_acc.fill(0.0)
-                for s, (word, quad_bytes, _) in enumerate(steps):
-                    for i, byte in enumerate(quad_bytes):
-                        lo, hi = self.lookup_quad(codebook, word, 4 * (byte + 2 * h))
-                        a_regs[2 * i], a_regs[2 * i + 1] = lo, hi
+                for s, (sources, _) in enumerate(steps):
+                    quads = {}
+                    for i, (w, byte, part) in enumerate(sources):
+                        byte += 2 * h
+                        if cutlass.const_expr(part is None):  # a pair entry
+                            a_regs[i] = self.lookup_pair(codebook, words[w], 2 * byte, 2 * byte + 1)
+                        else:  # half ``part`` of a quad entry
+                            if (w, byte) not in quads:
+                                quads[w, byte] = self.lookup_quad(codebook, words[w], 4 * byte)
+                            a_regs[i] = quads[w, byte][part]
                     b_regs[0], b_regs[1] = b_pairs[s]
                     cute.gemm(atom, mma_acc, frag_a, frag_b, mma_acc)
                 acc[r][h] = acc[r][h] + absmax_f32(rS[2 * r + h]) * (mma_acc[0] + mma_acc[3])
 
     @cute.jit
     def combine_roles(self, acc):
-        """After a strip's K tiles (``quad_roles``): the lanes' (row t // 2, block t % 2)
+        """After a strip's K tiles (``row_roles``): the lanes' (row t // 2, block t % 2)
         sums into ``split_blocks``' layout, row t's column totals in lane t."""
         for r in cutlass.range_constexpr(ROW_TILES):
             for h in cutlass.range_constexpr(2):
@@ -1818,19 +1837,37 @@ class GemvKernel:
             mOut[m, n] = self.dtype(r)
 
 
-def _quad_role_steps(fields) -> list:
-    """``quad_roles``: the two mma steps of a column as [(fields word, (byte, byte), (K
-    pair, K pair))]: each step takes bytes 0 and 1 (the column's first; its second column:
-    2 and 3) of one 2-bit fields word, whose entries give rows g and g + 8 the fields (0, 1)
-    and (2, 3) of each byte; the K pairs are role 0's (the fields 0, 1 positions)."""
+def _role_steps(fields, lookup: str) -> list:
+    """``row_roles``: a column's two mma steps from its row tile's ``fields``, as [(A
+    sources, B's K pairs)]: the sources (fields word index, byte of the column's first: 0
+    or 1, half of a quad entry: 0 / 1, or None for a pair entry) of the fragment's a0..a3
+    = (row g, K slots pair 0), (row g + 8, pair 0), (row g, pair 1), (row g + 8, pair 1);
+    B's K pairs are role 0's positions of slot pairs 0 and 1 (row g + 8 takes them shifted
+    by ``ROLE_RUNS``' shift: role 1)."""
+    shift, runs = ROLE_RUNS[lookup]
+    role0 = [e for first, n in runs for e in range(first, first + n)]
+
+    def pair(elems, f):  # the K positions of fields f, f + 1 (role 0's), checked
+        a, b = elems[f], elems[f + 1]
+        assert a in role0 and b in role0, (a, b)
+        return a, b
+
     steps = []
-    for word, elems in fields:
-        ks = []
-        for byte in (0, 1):
-            e = [elems[4 * byte + f] for f in range(4)]
-            assert e[2:] == [e[0] + 4, e[1] + 4] and e[0] & 4 == 0 == e[1] & 4, e
-            ks.append((e[0], e[1]))
-        steps.append((word, (0, 1), tuple(ks)))
+    if lookup == "quad_table":  # a fields word a step: bytes 0, 1, each an entry
+        for w, (_, elems) in enumerate(fields):
+            ks = []
+            for byte in (0, 1):
+                ks.append(pair(elems, 4 * byte))
+                assert elems[4 * byte + 2 : 4 * byte + 4] == [e + shift for e in ks[-1]]
+            steps.append(([(w, byte, half) for byte in (0, 1) for half in (0, 1)], ks))
+    else:  # pair table: two fields words a step, each byte 0 (role 0) and 1 (role 1)
+        for w in range(0, len(fields), 2):
+            ks = []
+            for v in (w, w + 1):
+                elems = fields[v][1]
+                ks.append(pair(elems, 0))
+                assert elems[2:4] == [e + shift for e in ks[-1]]
+            steps.append(([(v, byte, None) for v in (w, w + 1) for byte in (0, 1)], ks))
     assert len(steps) == THREAD_K // 8
     return steps
 
