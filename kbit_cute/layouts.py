@@ -160,9 +160,10 @@ def _mma_tv(tiled_mma) -> dict[str, Entry]:
 
 
 GEMV_SMEM_NOTE = (
-    "no shared-memory tile, so no bank map: each thread loads its columns' plane words, "
-    "absmax bytes and activations from global memory straight into registers (a register "
-    "ring of K tiles in flight); shared memory holds only the split-K arrival flag"
+    "no shared-memory tile, so no bank map: each warp copies its 32 columns' K tiles as they "
+    "lie in the format (plane words, absmax bytes, activation rows) into a cp.async ring of "
+    "its own in shared memory, and a CTA's quads of warps share a lookup table there "
+    "(GemvKernel)"
 )
 
 

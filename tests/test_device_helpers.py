@@ -125,47 +125,126 @@ def test_gemv_lookups_give_the_mma_pairs(k, lookup, m, gen):
             assert got == (codes[idx[ja]], codes[idx[jb]]), (k, ja, jb)
 
 
-@pytest.mark.parametrize("k", [2, 3, 4])
-@pytest.mark.parametrize("m", [1, 2])
-def test_gemv_row_roles_give_the_mma_rows(k, m, gen):
-    """k = 2..4 at M <= 2 (``GemvKernel.row_roles``), emulated on host ints: for each
-    column of a thread's row-tile pair and each mma step, the A fragment's row g registers
-    hold role 0's K positions (those read_activations loads) and its row g + 8 registers the
-    same positions + the role shift, which a role 1 lane's activations start at; each
-    column's 16 positions are covered once, and the entries (quad or pair table: the rows
-    the prmt addresses select) hold the indices the planes hold there."""
-    from kbit_cute.kernels.gemv import ROLE_RUNS, THREAD_K, GemvKernel, _role_steps
+# k with the lookup ``GemvKernel.row_roles`` serves (k = 3: the pair table's layout, which
+# ``gemv.ROLE_MAX_M`` does not take yet)
+_ROLE_KS = [2, 3, 4]
 
-    kern = GemvKernel(k, m, None)
+
+def _role_fields(k, idx_row):
+    """(kernel config, fields of the planes of 32 indices: 16 K positions of two columns)."""
+    from kbit_cute.kernels.gemv import GemvKernel
+
+    kern = GemvKernel(k, 1, None)
+    packed = fmt.pack_bitplanes(torch.tensor([idx_row], dtype=torch.uint8), k)
+    planes = [int(w) & 0xFFFFFFFF for w in packed.tolist()]
+    return kern, planes_to_fields(planes, k, kern.field_width, False, kern.select_widths)
+
+
+def _role_entry(k, word, byte, half):
+    """The indices of the table row the (prmt-built) address of ``byte`` of a fields word
+    selects: a pair entry (fields 0, 1: 4 bits each), or half 0 / 1 of a quad entry (fields
+    0, 1 | 2, 3: 2 bits each)."""
+    v = (word >> (8 * byte)) & 0xFF
+    mask = (1 << k) - 1  # (the tables repeat the codebook modulo 2^k)
+    if half is None:
+        return [v & mask, (v >> 4) & mask]
+    return [(v >> (4 * half + 2 * i)) & 3 for i in range(2)]
+
+
+@pytest.mark.parametrize("k", _ROLE_KS)
+def test_gemv_row_roles_give_the_mma_rows(k, gen):
+    """Row roles, emulated on host ints (16 random draws): for each column of a thread's
+    row-tile pair and each mma step, the A fragment's row g registers hold role 0's K
+    positions (those read_activations loads) and its row g + 8 registers the same positions
+    + the role shift, which a role 1 lane's activations start at; each column's 16 positions
+    are covered once, and the entries hold the indices the planes hold there."""
+    from kbit_cute.kernels.gemv import ROLE_RUNS, THREAD_K, _role_steps
+
+    for idx in torch.randint(0, 1 << k, (16, 32), generator=gen, dtype=torch.uint8).tolist():
+        kern, fields = _role_fields(k, idx)
+        shift, runs = ROLE_RUNS[kern.lookup]
+        words = [w for w, _ in fields]
+        steps = _role_steps(fields, kern.lookup)
+        role0 = sorted(e for _, ks in steps for pair in ks for e in pair)
+        assert role0 == [e for first, n in runs for e in range(first, first + n)]
+        for h in range(2):  # the row-tile pair's column: bits 16 h .. 16 h + 15 of the planes
+            seen = []
+            for sources, ks in steps:
+                regs = [_role_entry(k, words[w], b + 2 * h, half) for w, b, half in sources]
+                for i, (ea, eb) in enumerate(ks):  # slot pair i: rows g (role 0), g + 8
+                    assert regs[2 * i] == [idx[16 * h + ea], idx[16 * h + eb]]
+                    assert regs[2 * i + 1] == [idx[16 * h + ea + shift], idx[16 * h + eb + shift]]
+                    seen += [ea, eb, ea + shift, eb + shift]
+            assert sorted(seen) == list(range(THREAD_K))
+
+
+@pytest.mark.parametrize("M", [1, 2])
+@pytest.mark.parametrize("k", _ROLE_KS)
+def test_gemv_row_roles_sum_each_rows_blocks(k, M, gen):
+    """A whole warp's K tile with row roles, emulated on host ints with mma.sync m16n8k16's
+    fragment layout (lane 4 g + t: A rows g, g + 8 at K slots 2 t, 2 t + 1, 2 t + 8, 2 t + 9;
+    B column g; C[g, 2 t], C[g + 8, 2 t + 1] its values 0 and 3): the lanes that load
+    activations (mma column 4 m + 2 b + role: row m's block b, role 1 shifted), each lane's
+    c0 + c3 times its column's block t % 2 scale, and ``combine_roles``' shuffles give lane
+    (g, t < M) row t's dot product of each of its 4 columns, exactly."""
+    from kbit_cute.kernels.gemv import ROLE_RUNS, _role_steps
+
+    cols, K = 32, 64  # a warp's columns, one K tile: thread t's run is K positions 16 t..
+    idx = torch.randint(0, 1 << k, (cols, K), generator=gen).tolist()
+    cb = torch.randint(-8, 9, (1 << k,), generator=gen).tolist()  # small ints: exact sums
+    scale = torch.randint(1, 5, (cols, 2), generator=gen).tolist()  # per column and block
+    x = torch.randint(-4, 5, (M, K), generator=gen).tolist()
+    kern, _ = _role_fields(k, idx[0][:32])
     shift, runs = ROLE_RUNS[kern.lookup]
-    idx = torch.randint(0, 1 << k, (1, 32), generator=gen, dtype=torch.uint8)  # 16 K x 2
-    planes = [int(w) & 0xFFFFFFFF for w in fmt.pack_bitplanes(idx, k).tolist()]
-    idx = idx[0].tolist()
-    fields = planes_to_fields(planes, k, kern.field_width, False, kern.select_widths)
-    words = [w for w, _ in fields]
-    steps = _role_steps(fields, kern.lookup)
-    role0 = sorted(e for _, ks in steps for pair in ks for e in pair)
-    assert role0 == [e for first, n in runs for e in range(first, first + n)]
-    mask = (1 << k) - 1
-    for h in range(2):  # the row-tile pair's column: bits 16 h .. 16 h + 15 of the planes
-        seen = []
-        for sources, ks in steps:
-            regs = []
-            for w, byte, half in sources:
-                # the table row the address selects (lane 7's copy; quad: 8-byte entries)
-                entry = 8 if half is not None else 4
-                addr = _prmt(words[w], 7 * entry, 0x5504 | (byte + 2 * h) << 4)
-                assert addr % 256 == 7 * entry and addr < 256 * 256
-                v = addr >> 8
-                if half is None:  # pair row: fields 0, 1 of the byte (4 bits each)
-                    regs.append([v & mask, (v >> 4) & mask])
-                else:  # quad row: fields 0, 1 | 2, 3 (2 bits each)
-                    regs.append([(v >> (4 * half + 2 * i)) & 3 for i in range(2)])
-            for i, (ea, eb) in enumerate(ks):  # slot pair i: rows g (role 0), g + 8 (role 1)
-                assert regs[2 * i] == [idx[16 * h + ea], idx[16 * h + eb]]
-                assert regs[2 * i + 1] == [idx[16 * h + ea + shift], idx[16 * h + eb + shift]]
-                seen += [ea, eb, ea + shift, eb + shift]
-        assert sorted(seen) == list(range(THREAD_K))
+    role0 = [e for first, n in runs for e in range(first, first + n)]
+    acc = {}  # (lane, column) -> sum
+    for r in range(2):  # row tile pairs: columns 16 r + g and 16 r + 8 + g of lane group g
+        lane_fields = {}
+        for g in range(8):
+            for t in range(4):
+                a, b = 16 * r + g, 16 * r + 8 + g
+                lane_fields[g, t] = _role_fields(
+                    k, idx[a][16 * t : 16 * t + 16] + idx[b][16 * t : 16 * t + 16]
+                )[1]
+        for h in range(2):
+            C = [[0] * 8 for _ in range(16)]
+            for s in range(2):  # the column's two mma steps
+                A = [[0] * 16 for _ in range(16)]
+                B = [[0] * 8 for _ in range(16)]
+                for g in range(8):
+                    for t in range(4):
+                        fields = lane_fields[g, t]
+                        sources, ks = _role_steps(fields, kern.lookup)[s]
+                        words = [w for w, _ in fields]
+                        regs = [_role_entry(k, words[w], b + 2 * h, half) for w, b, half in sources]
+                        for i, (row, slot) in enumerate([(g, 0), (g + 8, 0), (g, 8), (g + 8, 8)]):
+                            A[row][2 * t + slot : 2 * t + slot + 2] = [cb[v] for v in regs[i]]
+                        m, blk, role = g // 4, g // 2 % 2, g % 2  # B column g
+                        act = [0] * 16
+                        if m < M and blk == t // 2:
+                            for e in role0:
+                                act[e] = x[m][16 * t + e + role * shift]
+                        for i, (ea, eb) in enumerate(ks):
+                            B[2 * t + 8 * i][g], B[2 * t + 8 * i + 1][g] = act[ea], act[eb]
+                for i in range(16):
+                    for n in range(8):
+                        C[i][n] += sum(A[i][j] * B[j][n] for j in range(16))
+            for g in range(8):
+                for t in range(4):
+                    c = 16 * r + 8 * h + g
+                    acc[4 * g + t, c] = scale[c][t % 2] * (C[g][2 * t] + C[g + 8][2 * t + 1])
+    for g in range(8):
+        for t in range(4):
+            lane = 4 * g + t
+            for r in range(2):
+                for h in range(2):
+                    c = 16 * r + 8 * h + g
+                    # combine_roles: both blocks (xor 1), then row t from lane 4 g + 2 t
+                    src = lane // 4 * 4 + lane % 4 * 2 % 4 if M > 1 else lane
+                    v_src = acc[src, c] + acc[src ^ 1, c]
+                    if t < M:
+                        want = sum(cb[idx[c][j]] * scale[c][j // 32] * x[t][j] for j in range(K))
+                        assert v_src == want, (k, M, lane, c)
 
 
 def test_pair_selector_joins_halves():

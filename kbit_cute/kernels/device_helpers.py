@@ -344,10 +344,10 @@ def absmax_x2(code: Uint32, dtype_name: str) -> Uint32:
     return Uint32(code) * Uint32(ABSMAX_MAGIC[dtype_name])
 
 
-# The GEMV at M <= 4, k = 3, 4 (and some M = 1 variants of k = 2, 5) scales after the mma
-# (``GemvKernel.split_blocks``): its tables carry SPLIT_FACTOR for both dtypes, and a column's
-# two block scales come as fp32 value / 16: the E4M4 code << 6 read as fp16 (exact, subnormal
-# codes too), widened.
+# The GEMV at M <= 4, k = 3, 4 (and k = 2 at M <= 2, k = 5's pair table at M = 1) scales
+# after the mma (``GemvKernel.split_blocks``): its tables carry SPLIT_FACTOR for both dtypes,
+# and a block scale comes as fp32 value / 16: the E4M4 code << 6 read as fp16 (exact,
+# subnormal codes too), widened.
 SPLIT_FACTOR = 16.0
 
 

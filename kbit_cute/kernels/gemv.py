@@ -22,10 +22,11 @@ more than M = 1. What is left per weight is the dequantization into fp16/bf16 pa
   weights, sm_80; register lookups also serve k <= 4 in single-quad CTAs, e.g. the grouped
   MoE kernel), times the block's absmax (one 2-wide multiply; the E4M4 byte becomes a
   half2 scale with one IMAD, ``absmax_x2``). At M <= 4, k = 3, 4, M = 1, k = 5 (table
-  lookups) and M <= 2, k = 2 the scale comes after the mma instead: its activation
-  columns 2 m + b hold row m masked to block b, and each tile's results are folded with
-  fp32 block scales (``split_blocks``); for k = 2 a quad entry's two pairs feed the mma's
-  two rows of one column, each against its own activation column (``row_roles``);
+  lookups) and M <= 2, k = 2 the scale comes after the mma instead (``split_blocks``):
+  its activation columns 2 m + b hold row m masked to block b, and each tile's results
+  are folded with fp32 block scales; k = 2 at M <= 2 and k = 4 at M = 1 split each
+  column across the mma's rows g, g + 8 instead (``row_roles``: activation columns
+  4 m + 2 b + role), so that a lookup lands where the mma wants it;
 * mma.sync pairs K positions to registers in a fixed pattern; since the dot product does
   not care about the order of K, each register takes the two weights that the SWAR fields
   deliver side by side, and the activations are permuted to match (one ``prmt`` per pair,
@@ -660,9 +661,9 @@ class GemvKernel:
                 for r in cutlass.range_constexpr(ROW_TILES):
                     acc[r].fill(0.0)
                 col0 = nt * TILE_N + wn * WARP_COLS + g
-                # Activation rows 0..M-1 feed the mma's columns g; columns past M hold finite
-                # values that are never stored. The run's (the first strip's) copies were
-                # started above.
+                # Activation rows 0..M-1 feed the mma's columns (``read_tile``); columns past
+                # M hold finite values that are never stored. The run's (the first strip's)
+                # copies were started above.
                 if cutlass.const_expr(self.crossing):
                     carry = (src, cursor, Int32(nt == (u_end - 1) // k_tiles))
                     self.mainloop(mA, mW, mS, col0, rows, t, kt_begin, kt_end, ctx, carry=carry)
@@ -825,7 +826,8 @@ class GemvKernel:
         ]
         if cutlass.const_expr(self.split_blocks):
             # The mma's per-tile results (``acc`` above) and the totals: per row tile, the
-            # thread's columns g, g + 8 for activation row t.
+            # thread's columns g, g + 8 for activation row t (``row_roles``: for its (row
+            # t // 2, block t % 2) until ``combine_roles``).
             buf = (*buf, acc)
             acc = [cute.make_rmem_tensor((2,), Float32) for _ in range(ROW_TILES)]
         return codebook, half_select, atom, frag_a, frag_b, ring, buf, acc
@@ -893,7 +895,8 @@ class GemvKernel:
     def mainloop(self, mA, mW, mS, col0, rows, t, kt_begin, kt_end, ctx, second=None,
                  primed=None, carry=None):  # fmt: skip
         """acc += K tiles kt_begin..kt_end of the thread's columns times the activations of
-        ``rows`` = (first row, count): mma column g < count takes row first + g.
+        ``rows`` = (first row, count): the mma's columns take rows first.. first + count - 1
+        as ``read_tile`` assigns them.
         The warp's 32 columns are col0 - g onwards, or with ``second`` two runs of 16: that
         many, then 16 from column ``second`` (the grouped gate/up kernel: gate, then up).
 
@@ -1131,8 +1134,9 @@ class GemvKernel:
     @cute.jit
     def read_tile(self, src, g, t, rows, buf):
         """The thread's part of the ring stage at ``src`` into registers: the k plane words
-        of block t // 2 of its columns g + 8 j (j = 0..3), their absmax codes, and its 16
-        activations (K run t of row g, if g < count)."""
+        of block t // 2 of its columns g + 8 j (j = 0..3), their absmax codes, and the
+        activations of its K run t that its mma column g takes (row g, if g < count; with
+        ``split_blocks`` / ``row_roles`` per the mode's comment below)."""
         rW, rS, rA = buf[:3]
         k = self.k
         kb = t // 2
@@ -1152,8 +1156,9 @@ class GemvKernel:
                 )[c]
             else:
                 rS[j] = absmax[c * BLOCKS_PER_TILE_K + kb]
-        # Only the lanes of real rows load: at M = 1 four lanes instead of 32, 2 instead of 8
-        # shared-memory wavefronts per tile (k = 2 is bound by that pipe). The other mma
+        # Only the lanes of real rows load: at M = 1 four lanes instead of 32 (8 loading half
+        # a run each with ``row_roles``), 2 instead of 8 shared-memory wavefronts per tile
+        # (k = 2 is bound by that pipe). The other mma
         # columns keep finite values (zeros or an earlier tile's) and are never stored.
         # Without REAL_ROWS_ONLY they read row count - 1 instead.
         _, n_rows = rows
@@ -1202,8 +1207,13 @@ class GemvKernel:
     def mma_tile(self, buf, codebook, half_select, atom, frag_a, frag_b, acc):
         """acc[r] += this K tile of the thread's columns (row tile r) times the activations."""
         rW, rS, rA = buf[:3]
-        k, W = self.k, self.field_width
         act = cute.recast_tensor(rA, Uint32)  # act[i] = activations (2i, 2i+1)
+        if cutlass.const_expr(self.row_roles):
+            # (one mma fragment of buf[3]: the other is dead there)
+            self.mma_row_roles(rW, rS, codebook, half_select, atom, frag_a, frag_b, act,
+                               buf[3][0], acc)  # fmt: skip
+            return
+        k, W = self.k, self.field_width
         a_regs = cute.recast_tensor(frag_a, Uint32)
         b_regs = cute.recast_tensor(frag_b, Uint32)
         if cutlass.const_expr(self.split_blocks):
@@ -1218,10 +1228,6 @@ class GemvKernel:
                 absmax_x2(Uint32(rS[j]) & Uint32(0xFF), _DTYPE_NAME[self.dtype])
                 for j in range(2 * ROW_TILES)
             ]
-        if cutlass.const_expr(self.row_roles):
-            self.mma_row_roles(rW, rS, codebook, half_select, atom, frag_a, frag_b, act,
-                                buf[3], acc)  # fmt: skip
-            return
         b_pairs = None
         for r in range(ROW_TILES):
             # Plane b of both columns of this row tile, the thread's half of each:
@@ -1284,12 +1290,13 @@ class GemvKernel:
                     acc[r][h] = acc[r][h] + s0 * mma_acc[2 * h] + s1 * mma_acc[2 * h + 1]
 
     def mma_row_roles(self, rW, rS, codebook, half_select, atom, frag_a, frag_b, act,
-                      mma_accs, acc):  # fmt: skip
+                      mma_acc, acc):  # fmt: skip
         """``mma_tile`` with ``row_roles``: acc[r][h] += this K tile of column 16 r + 8 h + g
-        for the lane's (row t // 2, block t % 2). Each column is one mma row tile: rows g
-        (role 0) and g + 8 (role 1: K positions ``ROLE_RUNS``' shift ahead), two mma steps
-        (``_role_steps``); the lane's mma column 2 t is role 0 and 2 t + 1 role 1 of its
-        (row, block), so its sum is C[g, 2 t] + C[g + 8, 2 t + 1]: fragment values 0 and 3."""
+        for the lane's (row t // 2, block t % 2); the kernel calls ``combine_roles`` after
+        each strip. Each column is one mma row tile: rows g (role 0) and g + 8 (role 1: K
+        positions ``ROLE_RUNS``' shift ahead), two mma steps (``_role_steps``) into
+        ``mma_acc``; the lane's mma column 2 t is role 0 and 2 t + 1 role 1 of its (row,
+        block), so its sum is C[g, 2 t] + C[g + 8, 2 t + 1]: fragment values 0 and 3."""
         a_regs = cute.recast_tensor(frag_a, Uint32)
         b_regs = cute.recast_tensor(frag_b, Uint32)
         k, W = self.k, self.field_width
@@ -1302,12 +1309,12 @@ class GemvKernel:
             ]
             fields = planes_to_fields(planes, k, W, False, self.select_widths)
             tile_words.append([word for word, _ in fields])
-            steps = _role_steps(fields, self.lookup)  # the same for every row tile
+            if steps is None:  # (word indices and K positions: the same for every row tile)
+                steps = _role_steps(fields, self.lookup)
         # role 0's K positions (role 1 lanes hold their own at the same places)
         b_pairs = [[self.activation_pair(act, *e) for e in ks] for _, ks in steps]
         for r, words in enumerate(tile_words):
             for h in range(2):  # column col0 + 16 r + 8 h: bytes 2 h, 2 h + 1 of each word
-                mma_acc = mma_accs[0]  # (one fragment: 4 registers fewer)
                 mma_acc.fill(0.0)
                 for s, (sources, _) in enumerate(steps):
                     quads = {}
@@ -1327,11 +1334,11 @@ class GemvKernel:
     def combine_roles(self, acc):
         """After a strip's K tiles (``row_roles``): the lanes' (row t // 2, block t % 2)
         sums into ``split_blocks``' layout, row t's column totals in lane t."""
+        lane = cute.arch.lane_idx()
         for r in cutlass.range_constexpr(ROW_TILES):
             for h in cutlass.range_constexpr(2):
                 v = acc[r][h] + cute.arch.shuffle_sync_bfly(acc[r][h], 1)  # both blocks
-                if cutlass.const_expr(self.m > 1):
-                    lane = cute.arch.lane_idx()
+                if cutlass.const_expr(self.m > 1):  # row t from lane 4 g + 2 t
                     v = cute.arch.shuffle_sync(v, lane // 4 * 4 + lane % 4 * 2 % 4)
                 acc[r][h] = v
 
