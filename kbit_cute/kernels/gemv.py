@@ -825,10 +825,11 @@ class GemvKernel:
             for _ in range(ROW_TILES)
         ]
         if cutlass.const_expr(self.split_blocks):
-            # The mma's per-tile results (``acc`` above) and the totals: per row tile, the
-            # thread's columns g, g + 8 for activation row t (``row_roles``: for its (row
-            # t // 2, block t % 2) until ``combine_roles``).
-            buf = (*buf, acc)
+            # The mma's per-tile results (``acc`` above; ``row_roles`` takes one column at a
+            # time: one fragment) and the totals: per row tile, the thread's columns g, g + 8
+            # for activation row t (``row_roles``: for its (row t // 2, block t % 2) until
+            # ``combine_roles``).
+            buf = (*buf, acc[:1] if self.row_roles else acc)
             acc = [cute.make_rmem_tensor((2,), Float32) for _ in range(ROW_TILES)]
         return codebook, half_select, atom, frag_a, frag_b, ring, buf, acc
 
@@ -1209,7 +1210,6 @@ class GemvKernel:
         rW, rS, rA = buf[:3]
         act = cute.recast_tensor(rA, Uint32)  # act[i] = activations (2i, 2i+1)
         if cutlass.const_expr(self.row_roles):
-            # (one mma fragment of buf[3]: the other is dead there)
             self.mma_row_roles(rW, rS, codebook, half_select, atom, frag_a, frag_b, act,
                                buf[3][0], acc)  # fmt: skip
             return
